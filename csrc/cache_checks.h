@@ -1,0 +1,174 @@
+// Validation for the cache-management ops, shared by the CPU and CUDA launchers so both reject
+// exactly the same inputs with the same messages.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <c10/util/accumulate.h>
+
+#include <unordered_set>
+
+#include "checks.h"
+#include "pagedspec/cache_params.h"
+
+namespace pagedspec {
+
+inline void check_cache_tensor(const char* op, const char* name, const at::Tensor& cache) {
+  check_dim(op, name, cache, 4);
+  check_contiguous(op, name, cache);
+  (void)cache_format(op, name, cache);
+}
+
+inline CacheGeometry cache_geometry(const at::Tensor& cache) {
+  return CacheGeometry{cache.size(0), static_cast<int>(cache.size(1)),
+                       static_cast<int>(cache.size(2)), static_cast<int>(cache.size(3))};
+}
+
+// Validated arguments of reshape_and_cache (everything but the data pointers' types).
+struct ReshapeAndCacheArgs {
+  CacheGeometry geo;
+  CacheFormat format;
+  ScaleRef k_scale;
+  ScaleRef v_scale;
+  int64_t num_tokens;
+};
+
+inline ReshapeAndCacheArgs check_reshape_and_cache(
+    const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+    const at::Tensor& value_cache, const at::Tensor& slot_mapping,
+    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
+  const char* op = "reshape_and_cache";
+  check_dtype(op, "key", key, {at::kHalf, at::kBFloat16, at::kFloat});
+  check_same_dtype(op, "value", value, "key", key);
+  check_dim(op, "key", key, 3);
+  check_shape(op, "value", value, key.sizes());
+  check_cache_tensor(op, "key_cache", key_cache);
+  check_cache_tensor(op, "value_cache", value_cache);
+  check_shape(op, "value_cache", value_cache, key_cache.sizes());
+  check_same_dtype(op, "value_cache", value_cache, "key_cache", key_cache);
+  check_size(op, "key", key, 1, key_cache.size(2), "num_kv_heads of key_cache");
+  check_size(op, "key", key, 2, key_cache.size(3), "head_size of key_cache");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "pagedspec.", op,
+              ": key and value must be contiguous in the last (head_size) dimension, got strides ",
+              key.stride(2), " and ", value.stride(2));
+  check_dtype(op, "slot_mapping", slot_mapping, {at::kLong});
+  check_dim(op, "slot_mapping", slot_mapping, 1);
+  check_size(op, "slot_mapping", slot_mapping, 0, key.size(0), "num_tokens of key");
+  check_contiguous(op, "slot_mapping", slot_mapping);
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"value", &value},
+                                {"key_cache", &key_cache},
+                                {"value_cache", &value_cache},
+                                {"slot_mapping", &slot_mapping}}) {
+    check_same_device(op, name, *t, "key", key);
+  }
+  const CacheFormat format = cache_format(op, "key_cache", key_cache);
+  if (format == CacheFormat::kNative) {
+    check_same_dtype(op, "key_cache", key_cache, "key", key);
+  }
+  ReshapeAndCacheArgs args{cache_geometry(key_cache), format, ScaleRef{nullptr, false},
+                           ScaleRef{nullptr, false}, key.size(0)};
+  if (format != CacheFormat::kNative) {
+    args.k_scale = make_scale_ref(op, "k_scale", k_scale, args.geo.num_kv_heads, key.device());
+    args.v_scale = make_scale_ref(op, "v_scale", v_scale, args.geo.num_kv_heads, key.device());
+  }
+  return args;
+}
+
+// Host-side: every slot is -1 or inside the cache. `slots` must be a CPU int64 tensor.
+inline void check_slots_in_range(const char* op, const at::Tensor& slots, int64_t num_slots) {
+  const int64_t* p = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t) {
+    TORCH_CHECK(p[t] >= -1 && p[t] < num_slots, "pagedspec.", op, ": slot_mapping[", t,
+                "] must be -1 or in [0, ", num_slots, "), got ", p[t]);
+  }
+}
+
+// Shape/dtype of a block mapping: int64 [n, 2], contiguous.
+inline void check_block_mapping_shape(const char* op, const at::Tensor& mapping) {
+  check_dtype(op, "block_mapping", mapping, {at::kLong});
+  check_dim(op, "block_mapping", mapping, 2);
+  check_size(op, "block_mapping", mapping, 1, 2, "(src, dst) pairs");
+  check_contiguous(op, "block_mapping", mapping);
+}
+
+// Host-side: ids in range; for copy-on-write also no dst that is a src and no repeated dst
+// (either would make the result depend on the copy order). `mapping` must be on CPU.
+inline void check_block_mapping_values(const char* op, const at::Tensor& mapping,
+                                       int64_t src_blocks, int64_t dst_blocks,
+                                       bool forbid_aliasing) {
+  const int64_t* p = mapping.data_ptr<int64_t>();
+  const int64_t n = mapping.size(0);
+  for (int64_t j = 0; j < n; ++j) {
+    TORCH_CHECK(p[2 * j] >= 0 && p[2 * j] < src_blocks, "pagedspec.", op, ": block_mapping[", j,
+                ", 0] (src block) must be in [0, ", src_blocks, "), got ", p[2 * j]);
+    TORCH_CHECK(p[2 * j + 1] >= 0 && p[2 * j + 1] < dst_blocks, "pagedspec.", op,
+                ": block_mapping[", j, ", 1] (dst block) must be in [0, ", dst_blocks, "), got ",
+                p[2 * j + 1]);
+  }
+  if (!forbid_aliasing) return;
+  std::unordered_set<int64_t> srcs, dsts;
+  for (int64_t j = 0; j < n; ++j) srcs.insert(p[2 * j]);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t dst = p[2 * j + 1];
+    TORCH_CHECK(!srcs.count(dst), "pagedspec.", op, ": block_mapping[", j, ", 1] = ", dst,
+                " is also a src block; a dst must not be copied from in the same call");
+    TORCH_CHECK(dsts.insert(dst).second, "pagedspec.", op, ": block_mapping[", j, ", 1] = ", dst,
+                " repeats an earlier dst block; each dst may be written once");
+  }
+}
+
+// Validated arguments of copy_blocks.
+struct CopyBlocksArgs {
+  int64_t num_blocks;
+  int64_t block_bytes;
+};
+
+inline CopyBlocksArgs check_copy_blocks(const at::TensorList& key_caches,
+                                        const at::TensorList& value_caches,
+                                        const at::Tensor& block_mapping) {
+  const char* op = "copy_blocks";
+  TORCH_CHECK(key_caches.size() == value_caches.size(), "pagedspec.", op,
+              ": key_caches and value_caches must have the same length, got ", key_caches.size(),
+              " and ", value_caches.size());
+  check_block_mapping_shape(op, block_mapping);
+  if (key_caches.empty()) return CopyBlocksArgs{0, 0};
+  const at::Tensor& ref = key_caches[0];
+  check_cache_tensor(op, "key_caches[0]", ref);
+  for (size_t l = 0; l < key_caches.size(); ++l) {
+    for (const at::Tensor* t : {&key_caches[l], &value_caches[l]}) {
+      const char* name = t == &key_caches[l] ? "key_caches[i]" : "value_caches[i]";
+      TORCH_CHECK(t->sizes() == ref.sizes() && t->scalar_type() == ref.scalar_type() &&
+                      t->device() == ref.device(),
+                  "pagedspec.", op, ": ", name, " for i=", l,
+                  " must match key_caches[0] (shape ", ref.sizes(), ", ", ref.scalar_type(), ", ",
+                  ref.device(), "), got shape ", t->sizes(), ", ", t->scalar_type(), ", ",
+                  t->device());
+      check_contiguous(op, name, *t);
+    }
+  }
+  check_same_device(op, "block_mapping", block_mapping, "key_caches[0]", ref);
+  return CopyBlocksArgs{ref.size(0), c10::multiply_integers(ref.sizes().slice(1)) *
+                                         static_cast<int64_t>(ref.element_size())};
+}
+
+// Validated arguments of swap_blocks.
+struct SwapBlocksArgs {
+  int64_t block_bytes;
+};
+
+inline SwapBlocksArgs check_swap_blocks(const at::Tensor& src, const at::Tensor& dst,
+                                        const at::Tensor& block_mapping) {
+  const char* op = "swap_blocks";
+  TORCH_CHECK(src.dim() >= 1, "pagedspec.", op, ": src must have at least 1 dimension");
+  check_contiguous(op, "src", src);
+  check_contiguous(op, "dst", dst);
+  check_same_dtype(op, "dst", dst, "src", src);
+  TORCH_CHECK(src.dim() == dst.dim() && src.sizes().slice(1) == dst.sizes().slice(1),
+              "pagedspec.", op, ": dst must have the same block shape as src (", src.sizes(),
+              " vs ", dst.sizes(), "); only the number of blocks may differ");
+  check_block_mapping_shape(op, block_mapping);
+  return SwapBlocksArgs{c10::multiply_integers(src.sizes().slice(1)) *
+                        static_cast<int64_t>(src.element_size())};
+}
+
+}  // namespace pagedspec

@@ -1,0 +1,183 @@
+// Argument validation shared by every launcher (CPU and CUDA). Torch-dependent by design: the
+// kernels under include/pagedspec/ never see a Tensor.
+//
+// Every message has the form "pagedspec.<op>: <argument> <expected>, got <given>" so a caller can
+// tell at once which argument is wrong and why.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include <cstdlib>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+
+#include "pagedspec/codec.h"
+
+namespace pagedspec {
+
+// True when PAGEDSPEC_DEBUG=1: enables checks on CUDA that need a device-to-host copy.
+inline bool debug_checks_enabled() {
+  static const bool enabled = [] {
+    const char* v = std::getenv("PAGEDSPEC_DEBUG");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return enabled;
+}
+
+inline std::string dtype_list(std::initializer_list<at::ScalarType> allowed) {
+  std::ostringstream os;
+  bool first = true;
+  for (auto t : allowed) {
+    os << (first ? "" : ", ") << t;
+    first = false;
+  }
+  return os.str();
+}
+
+inline void check_dtype(const char* op, const char* name, const at::Tensor& t,
+                        std::initializer_list<at::ScalarType> allowed) {
+  for (auto a : allowed) {
+    if (t.scalar_type() == a) return;
+  }
+  TORCH_CHECK(false, "pagedspec.", op, ": ", name, " must have dtype in {", dtype_list(allowed),
+              "}, got ", t.scalar_type());
+}
+
+inline void check_same_dtype(const char* op, const char* name, const at::Tensor& t,
+                             const char* ref_name, const at::Tensor& ref) {
+  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), "pagedspec.", op, ": ", name,
+              " must have the same dtype as ", ref_name, " (", ref.scalar_type(), "), got ",
+              t.scalar_type());
+}
+
+inline void check_dim(const char* op, const char* name, const at::Tensor& t, int64_t ndim) {
+  TORCH_CHECK(t.dim() == ndim, "pagedspec.", op, ": ", name, " must have ", ndim,
+              " dimensions, got ", t.dim(), " (shape ", t.sizes(), ")");
+}
+
+inline void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim,
+                       int64_t expected, const char* what = nullptr) {
+  TORCH_CHECK(t.size(dim) == expected, "pagedspec.", op, ": ", name, ".size(", dim, ") must be ",
+              expected, what ? " (" : "", what ? what : "", what ? ")" : "", ", got ", t.size(dim),
+              " (shape ", t.sizes(), ")");
+}
+
+inline void check_shape(const char* op, const char* name, const at::Tensor& t,
+                        at::IntArrayRef expected) {
+  TORCH_CHECK(t.sizes() == expected, "pagedspec.", op, ": ", name, " must have shape ", expected,
+              ", got ", t.sizes());
+}
+
+inline void check_contiguous(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.is_contiguous(), "pagedspec.", op, ": ", name,
+              " must be contiguous, got strides ", t.strides(), " for shape ", t.sizes());
+}
+
+inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
+                              const char* ref_name, const at::Tensor& ref) {
+  TORCH_CHECK(t.device() == ref.device(), "pagedspec.", op, ": ", name,
+              " must be on the same device as ", ref_name, " (", ref.device(), "), got ",
+              t.device());
+}
+
+inline void check_device_type(const char* op, const char* name, const at::Tensor& t,
+                              at::DeviceType type) {
+  TORCH_CHECK(t.device().type() == type, "pagedspec.", op, ": ", name, " must be on ", type,
+              ", got ", t.device());
+}
+
+// Which storage format a cache dtype is. Throws for dtypes no cache may have.
+inline CacheFormat cache_format(const char* op, const char* name, const at::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kFloat:
+      return CacheFormat::kNative;
+    case at::kFloat8_e4m3fn:
+      return CacheFormat::kE4M3;
+    case at::kFloat8_e5m2:
+      return CacheFormat::kE5M2;
+    default:
+      TORCH_CHECK(false, "pagedspec.", op, ": ", name,
+                  " must have dtype in {Half, BFloat16, Float, Float8_e4m3fn, Float8_e5m2}, got ",
+                  cache.scalar_type());
+  }
+}
+
+// Validates an optional FP8 scale (float32, [] or [num_heads], on `device`) and returns a view of
+// it for the kernels. An absent scale reads as 1.0.
+inline ScaleRef make_scale_ref(const char* op, const char* name,
+                               const c10::optional<at::Tensor>& scale, int64_t num_heads,
+                               const at::Device& device) {
+  if (!scale.has_value()) return ScaleRef{nullptr, false};
+  const at::Tensor& s = *scale;
+  check_dtype(op, name, s, {at::kFloat});
+  TORCH_CHECK(s.device() == device, "pagedspec.", op, ": ", name, " must be on ", device,
+              ", got ", s.device());
+  const bool per_head = s.dim() == 1 && s.size(0) == num_heads;
+  TORCH_CHECK(s.dim() == 0 || per_head, "pagedspec.", op, ": ", name,
+              " must have shape [] or [", num_heads, "], got ", s.sizes());
+  TORCH_CHECK(s.is_contiguous(), "pagedspec.", op, ": ", name, " must be contiguous");
+  return ScaleRef{s.data_ptr<float>(), per_head};
+}
+
+}  // namespace pagedspec
+
+// Dtype dispatch over the activation dtypes (query / key / value / dequantized output).
+// Binds `scalar_t` to at::Half, at::BFloat16 or float.
+#define PAGEDSPEC_DISPATCH_ACTIVATION(DTYPE, OP, ARGNAME, ...)                            \
+  [&] {                                                                                   \
+    switch (DTYPE) {                                                                      \
+      case at::kHalf: {                                                                   \
+        using scalar_t = at::Half;                                                        \
+        return __VA_ARGS__();                                                             \
+      }                                                                                   \
+      case at::kBFloat16: {                                                               \
+        using scalar_t = at::BFloat16;                                                    \
+        return __VA_ARGS__();                                                             \
+      }                                                                                   \
+      case at::kFloat: {                                                                  \
+        using scalar_t = float;                                                           \
+        return __VA_ARGS__();                                                             \
+      }                                                                                   \
+      default:                                                                            \
+        TORCH_CHECK(false, "pagedspec.", OP, ": ", ARGNAME,                               \
+                    " must have dtype in {Half, BFloat16, Float}, got ", DTYPE);          \
+    }                                                                                     \
+  }()
+
+// Dispatch over the cache storage format for a given activation dtype `scalar_t`.
+// Binds `cache_t` (scalar_t for native caches, uint8_t for FP8) and `kCacheFormat`.
+#define PAGEDSPEC_DISPATCH_CACHE_FORMAT(FORMAT, ...)                                      \
+  [&] {                                                                                   \
+    switch (FORMAT) {                                                                     \
+      case ::pagedspec::CacheFormat::kNative: {                                           \
+        using cache_t [[maybe_unused]] = scalar_t;                                                         \
+        static constexpr auto kCacheFormat = ::pagedspec::CacheFormat::kNative;                  \
+        return __VA_ARGS__();                                                             \
+      }                                                                                   \
+      case ::pagedspec::CacheFormat::kE4M3: {                                             \
+        using cache_t [[maybe_unused]] = uint8_t;                                                          \
+        static constexpr auto kCacheFormat = ::pagedspec::CacheFormat::kE4M3;                    \
+        return __VA_ARGS__();                                                             \
+      }                                                                                   \
+      case ::pagedspec::CacheFormat::kE5M2: {                                             \
+        using cache_t [[maybe_unused]] = uint8_t;                                                          \
+        static constexpr auto kCacheFormat = ::pagedspec::CacheFormat::kE5M2;                    \
+        return __VA_ARGS__();                                                             \
+      }                                                                                   \
+    }                                                                                     \
+  }()
+
+// Dispatch over the two FP8 formats. Binds `kFp8Format` (CacheFormat::kE4M3 or kE5M2).
+#define PAGEDSPEC_DISPATCH_FP8_FORMAT(FORMAT, ...)                                        \
+  [&] {                                                                                   \
+    if ((FORMAT) == ::pagedspec::CacheFormat::kE4M3) {                                    \
+      static constexpr auto kFp8Format = ::pagedspec::CacheFormat::kE4M3;                 \
+      return __VA_ARGS__();                                                               \
+    }                                                                                     \
+    static constexpr auto kFp8Format = ::pagedspec::CacheFormat::kE5M2;                   \
+    return __VA_ARGS__();                                                                 \
+  }()

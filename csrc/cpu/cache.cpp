@@ -1,0 +1,115 @@
+// CPU kernels for the cache-management ops: reshape_and_cache, copy_blocks, swap_blocks.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "cache_checks.h"
+#include "cpu/cpu_types.h"
+
+namespace pagedspec {
+namespace {
+
+template <typename InT, typename CacheT, CacheFormat F>
+void reshape_and_cache_cpu_impl(const ReshapeAndCacheParams<InT, CacheT>& p) {
+  using Codec = CacheCodec<CacheT, F>;
+  const int heads = p.geo.num_kv_heads;
+  const int head_size = p.geo.head_size;
+  at::parallel_for(0, p.num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = p.slot_mapping[t];
+      if (slot < 0) continue;  // padding token
+      CacheT* k_dst = p.key_cache + slot * p.geo.slot_stride();
+      CacheT* v_dst = p.value_cache + slot * p.geo.slot_stride();
+      for (int h = 0; h < heads; ++h) {
+        const InT* k_src = p.key + t * p.key_token_stride + h * p.key_head_stride;
+        const InT* v_src = p.value + t * p.value_token_stride + h * p.value_head_stride;
+        const float ks = p.k_scale.at(h);
+        const float vs = p.v_scale.at(h);
+        CacheT* kd = k_dst + h * head_size;
+        CacheT* vd = v_dst + h * head_size;
+        for (int d = 0; d < head_size; ++d) {
+          kd[d] = Codec::encode(ScalarConvert<InT>::to_float(k_src[d]), ks);
+          vd[d] = Codec::encode(ScalarConvert<InT>::to_float(v_src[d]), vs);
+        }
+      }
+    }
+  });
+}
+
+void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
+                           at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                           const c10::optional<at::Tensor>& k_scale,
+                           const c10::optional<at::Tensor>& v_scale) {
+  const ReshapeAndCacheArgs args =
+      check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+  check_slots_in_range("reshape_and_cache", slot_mapping, args.geo.num_slots());
+  PAGEDSPEC_DISPATCH_ACTIVATION(key.scalar_type(), "reshape_and_cache", "key", [&] {
+    PAGEDSPEC_DISPATCH_CACHE_FORMAT(args.format, [&] {
+      ReshapeAndCacheParams<scalar_t, cache_t> p{};
+      p.key = key.const_data_ptr<scalar_t>();
+      p.value = value.const_data_ptr<scalar_t>();
+      p.key_cache = static_cast<cache_t*>(key_cache.data_ptr());
+      p.value_cache = static_cast<cache_t*>(value_cache.data_ptr());
+      p.slot_mapping = slot_mapping.const_data_ptr<int64_t>();
+      p.k_scale = args.k_scale;
+      p.v_scale = args.v_scale;
+      p.num_tokens = args.num_tokens;
+      p.key_token_stride = key.stride(0);
+      p.key_head_stride = key.stride(1);
+      p.value_token_stride = value.stride(0);
+      p.value_head_stride = value.stride(1);
+      p.geo = args.geo;
+      reshape_and_cache_cpu_impl<scalar_t, cache_t, kCacheFormat>(p);
+    });
+  });
+}
+
+void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches,
+                     const at::Tensor& block_mapping) {
+  const CopyBlocksArgs args = check_copy_blocks(key_caches, value_caches, block_mapping);
+  if (key_caches.empty()) return;
+  check_block_mapping_values("copy_blocks", block_mapping, args.num_blocks, args.num_blocks,
+                             /*forbid_aliasing=*/true);
+  const int64_t* map = block_mapping.const_data_ptr<int64_t>();
+  const int64_t n = block_mapping.size(0);
+  const int64_t layers = static_cast<int64_t>(key_caches.size());
+  // One task per (layer, pair, key|value): the copies are independent because no dst is a src.
+  at::parallel_for(0, layers * n * 2, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t layer = i / (2 * n);
+      const int64_t j = (i / 2) % n;
+      const at::Tensor& cache = (i % 2 == 0) ? key_caches[layer] : value_caches[layer];
+      char* base = static_cast<char*>(cache.data_ptr());
+      std::memcpy(base + map[2 * j + 1] * args.block_bytes, base + map[2 * j] * args.block_bytes,
+                  args.block_bytes);
+    }
+  });
+}
+
+void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
+  const SwapBlocksArgs args = check_swap_blocks(src, dst, block_mapping);
+  check_device_type("swap_blocks", "block_mapping", block_mapping, at::kCPU);
+  check_block_mapping_values("swap_blocks", block_mapping, src.size(0), dst.size(0),
+                             /*forbid_aliasing=*/false);
+  const int64_t* map = block_mapping.const_data_ptr<int64_t>();
+  const char* s = static_cast<const char*>(src.const_data_ptr());
+  char* d = static_cast<char*>(dst.data_ptr());
+  // Sequential, in mapping order: with src and dst possibly the same tensor, later rows must see
+  // earlier rows' writes, exactly as a loop of copies would.
+  for (int64_t j = 0; j < block_mapping.size(0); ++j) {
+    std::memmove(d + map[2 * j + 1] * args.block_bytes, s + map[2 * j] * args.block_bytes,
+                 args.block_bytes);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pagedspec, CPU, m) {
+  m.impl("reshape_and_cache", &reshape_and_cache_cpu);
+  m.impl("copy_blocks", &copy_blocks_cpu);
+  m.impl("swap_blocks", &swap_blocks_cpu);
+}
+
+}  // namespace pagedspec

@@ -1,0 +1,65 @@
+// CPU kernels for quantize_fp8 / dequantize_fp8 (the same conversion the FP8 caches use).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "cpu/cpu_types.h"
+#include "fp8_checks.h"
+
+namespace pagedspec {
+namespace {
+
+// Elementwise over [rows, num_heads, head_size]: element i uses scale of head (i / head_size) %
+// num_heads (num_heads is 1 for a per-tensor scale).
+template <typename SrcT, typename DstT, typename Fn>
+void fp8_convert_cpu_impl(const Fp8ConvertParams<SrcT, DstT>& p, Fn convert) {
+  at::parallel_for(0, p.numel, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int head = static_cast<int>((i / p.head_size) % p.num_heads);
+      p.out[i] = convert(p.input[i], p.scale.at(head));
+    }
+  });
+}
+
+template <typename SrcT, typename DstT>
+Fp8ConvertParams<SrcT, DstT> make_params(const at::Tensor& out, const at::Tensor& input,
+                                         const Fp8ConvertArgs& args) {
+  return Fp8ConvertParams<SrcT, DstT>{static_cast<const SrcT*>(input.const_data_ptr()),
+                                      static_cast<DstT*>(out.data_ptr()), args.scale, args.numel,
+                                      args.head_size, args.num_heads};
+}
+
+void quantize_fp8_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& scale) {
+  const auto args = check_fp8_convert("quantize_fp8", out, input, scale, /*quantize=*/true);
+  PAGEDSPEC_DISPATCH_ACTIVATION(input.scalar_type(), "quantize_fp8", "input", [&] {
+    PAGEDSPEC_DISPATCH_FP8_FORMAT(args.format, [&] {
+      fp8_convert_cpu_impl(make_params<scalar_t, uint8_t>(out, input, args),
+                           [](scalar_t x, float s) {
+                             return CacheCodec<uint8_t, kFp8Format>::encode(
+                                 ScalarConvert<scalar_t>::to_float(x), s);
+                           });
+    });
+  });
+}
+
+void dequantize_fp8_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& scale) {
+  const auto args = check_fp8_convert("dequantize_fp8", out, input, scale, /*quantize=*/false);
+  PAGEDSPEC_DISPATCH_ACTIVATION(out.scalar_type(), "dequantize_fp8", "out", [&] {
+    PAGEDSPEC_DISPATCH_FP8_FORMAT(args.format, [&] {
+      fp8_convert_cpu_impl(make_params<uint8_t, scalar_t>(out, input, args),
+                           [](uint8_t c, float s) {
+                             return ScalarConvert<scalar_t>::from_float(
+                                 CacheCodec<uint8_t, kFp8Format>::decode(c, s));
+                           });
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pagedspec, CPU, m) {
+  m.impl("quantize_fp8", &quantize_fp8_cpu);
+  m.impl("dequantize_fp8", &dequantize_fp8_cpu);
+}
+
+}  // namespace pagedspec

@@ -1,0 +1,35 @@
+"""pagedspec: paged-KV attention, KV-cache management and speculative-decoding kernels.
+
+Importing the package loads the compiled library, which registers every op under
+``torch.ops.pagedspec``; :mod:`pagedspec.ops` has typed wrappers with shapes in their docstrings
+and :mod:`pagedspec.reference` the pure-PyTorch meaning of each op.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedspec import _C  # noqa: F401  (registers torch.ops.pagedspec.*)
+from pagedspec import _fake  # noqa: F401  (fake kernels for torch.compile / opcheck)
+from pagedspec import ops, reference  # noqa: F401
+
+__version__ = "0.1.0"
+
+
+def build_info() -> dict:
+    """What this build of pagedspec contains.
+
+    Returns a dict with ``backends`` (``["cpu"]`` or ``["cpu", "cuda"]``), ``cuda_archs`` (the
+    archs the CUDA kernels were compiled for), ``cuda_version`` (nvcc's), ``torch_built``
+    (torch the extension was compiled against), ``torch_runtime`` and ``cuda_available`` (whether a
+    GPU can be used now).
+    """
+    with_cuda = bool(_C.with_cuda)
+    return {
+        "version": __version__,
+        "backends": ["cpu", "cuda"] if with_cuda else ["cpu"],
+        "cuda_archs": [a for a in _C.cuda_archs.split(",") if a],
+        "cuda_version": _C.cuda_version or None,
+        "torch_built": _C.torch_version,
+        "torch_runtime": torch.__version__,
+        "cuda_available": with_cuda and torch.cuda.is_available(),
+    }

@@ -1,0 +1,243 @@
+"""Typed wrappers over ``torch.ops.pagedspec.*``.
+
+Each wrapper states shapes and dtypes; the meaning of every op is ``pagedspec.reference`` and the
+contract in CONTRACT.md. Ops that write into caller-owned buffers return ``None``, never
+synchronize with the host and can be captured in a CUDA graph.
+
+Shape letters: T tokens, Hq query heads, Hkv KV heads, D head size, NB cache blocks, BS block size,
+B sequences / requests, M max blocks per sequence, k draft tokens, V vocabulary, L layers.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+_ops = torch.ops.pagedspec
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: Optional[torch.Tensor] = None,
+    v_scale: Optional[torch.Tensor] = None,
+) -> None:
+    """Write new tokens' K and V into the paged cache.
+
+    Args:
+        key, value: ``[T, Hkv, D]`` float16 / bfloat16 / float32 (last dim contiguous; the token
+            and head strides may be anything, e.g. a slice of a fused QKV tensor).
+        key_cache, value_cache: ``[NB, BS, Hkv, D]`` contiguous, in key's dtype or
+            float8_e4m3fn / float8_e5m2. Written.
+        slot_mapping: int64 ``[T]``; token t goes to slot ``slot_mapping[t]`` (block
+            ``slot // BS``, offset ``slot % BS``); -1 skips the token.
+        k_scale, v_scale: float32 ``[]`` or ``[Hkv]``; FP8 caches store ``saturate(x / scale)``.
+            Ignored for non-FP8 caches; None means 1.0.
+    """
+    _ops.reshape_and_cache.default(key, value, key_cache, value_cache, slot_mapping, k_scale,
+                                   v_scale)
+
+
+def _attention_doc(variant: str) -> str:
+    return f"""Paged attention ({variant}) for decode and multi-token verification.
+
+    Args:
+        out: ``[T, Hq, D]`` in query's dtype. Written.
+        query: ``[T, Hq, D]`` float16 / bfloat16 / float32 (float32 on CPU only).
+        key_cache, value_cache: ``[NB, BS, Hkv, D]`` in query's dtype or FP8; ``Hq % Hkv == 0``.
+        block_tables: int32 ``[B, M]``; position p of sequence i is in block
+            ``block_tables[i, p // BS]``.
+        seq_lens: int32 ``[B]``; KV length of each sequence, including its query tokens.
+        cu_seqlens_q: int32 ``[B + 1]``; sequence i owns query rows
+            ``cu_seqlens_q[i] .. cu_seqlens_q[i+1]-1`` (q_len_i of them).
+        max_q_len: the largest q_len_i (a host-side bound, so no device read is needed).
+        scale: softmax scale, usually ``D ** -0.5``.
+        k_scale, v_scale: float32 ``[]`` or ``[Hkv]`` for FP8 caches.
+        lse: optional float32 ``[T, Hq]``; written with the natural-log log-sum-exp of the scaled
+            logits.
+        attn_mass: optional float32 ``[NB * BS]``; accumulates, per slot, the attention
+            probability summed over query heads and query tokens (the H2O heavy-hitter signal).
+
+    Query token j of sequence i attends to positions ``0 .. seq_lens[i] - q_len_i + j``.
+    """
+
+
+def _attention(op, out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+               max_q_len, scale, k_scale, v_scale, lse, attn_mass) -> None:
+    op(out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, int(max_q_len),
+       float(scale), k_scale, v_scale, lse, attn_mass)
+
+
+def paged_attention_v1(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_q_len: int,
+                       scale: float, k_scale: Optional[torch.Tensor] = None,
+                       v_scale: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+                       attn_mass: Optional[torch.Tensor] = None) -> None:
+    _attention(_ops.paged_attention_v1.default, out, query, key_cache, value_cache, block_tables,
+               seq_lens, cu_seqlens_q, max_q_len, scale, k_scale, v_scale, lse, attn_mass)
+
+
+def paged_attention_v2(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                       value_cache: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_q_len: int,
+                       scale: float, k_scale: Optional[torch.Tensor] = None,
+                       v_scale: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
+                       attn_mass: Optional[torch.Tensor] = None) -> None:
+    _attention(_ops.paged_attention_v2.default, out, query, key_cache, value_cache, block_tables,
+               seq_lens, cu_seqlens_q, max_q_len, scale, k_scale, v_scale, lse, attn_mass)
+
+
+def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, max_q_len: int, scale: float,
+                    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                    lse: Optional[torch.Tensor] = None,
+                    attn_mass: Optional[torch.Tensor] = None) -> None:
+    _attention(_ops.paged_attention.default, out, query, key_cache, value_cache, block_tables,
+               seq_lens, cu_seqlens_q, max_q_len, scale, k_scale, v_scale, lse, attn_mass)
+
+
+paged_attention_v1.__doc__ = _attention_doc("v1: one pass per sequence and KV head group")
+paged_attention_v2.__doc__ = _attention_doc("v2: context split into partitions, merged by LSE")
+paged_attention.__doc__ = _attention_doc("dispatcher: picks v1 or v2 by occupancy and length")
+
+
+def quantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) -> None:
+    """``out = saturate(input / scale)`` in FP8, round to nearest even; NaN stays NaN.
+
+    Args:
+        out: float8_e4m3fn / float8_e5m2, same shape as input, contiguous. Written.
+        input: float16 / bfloat16 / float32 ``[..., H, D]``, contiguous.
+        scale: float32 ``[]`` or ``[H]`` (one per head, dim -2 of input).
+    """
+    _ops.quantize_fp8.default(out, input, scale)
+
+
+def dequantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) -> None:
+    """``out = input * scale`` computed in float32, written in out's dtype.
+
+    Args:
+        out: float16 / bfloat16 / float32, same shape as input, contiguous. Written.
+        input: float8_e4m3fn / float8_e5m2 ``[..., H, D]``, contiguous.
+        scale: float32 ``[]`` or ``[H]``.
+    """
+    _ops.dequantize_fp8.default(out, input, scale)
+
+
+def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
+                block_mapping: torch.Tensor) -> None:
+    """Copy-on-write: copy block ``src`` to block ``dst`` in every layer's K and V cache.
+
+    Args:
+        key_caches, value_caches: L tensors ``[NB, BS, Hkv, D]``, all of one shape, dtype and
+            device. Written.
+        block_mapping: int64 ``[n, 2]`` (src, dst) rows on the caches' device. A dst that is also a
+            src, or a repeated dst, is an error (checked on CPU always; on CUDA with
+            ``PAGEDSPEC_DEBUG=1``). One kernel launch covers up to 64 layers.
+    """
+    _ops.copy_blocks.default(list(key_caches), list(value_caches), block_mapping)
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy block ``block_mapping[j, 0]`` of ``src`` to block ``block_mapping[j, 1]`` of ``dst``.
+
+    Args:
+        src: ``[NB_src, ...]`` contiguous, on CPU or CUDA.
+        dst: ``[NB_dst, ...]`` same block shape and dtype, on CPU or CUDA. Written.
+        block_mapping: int64 ``[n, 2]``. On CPU: the host reads it and issues one copy per run of
+            consecutive blocks (any pair of devices). On the CUDA device: one kernel copies all
+            blocks, reading pinned host memory directly when one side is on the CPU (the host side
+            must then be pinned); no host synchronization, graph-capturable.
+    """
+    _ops.swap_blocks.default(src, dst, block_mapping)
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,
+    draft_probs: Optional[torch.Tensor],
+    target_probs: torch.Tensor,
+    uniform_accept: Optional[torch.Tensor] = None,
+    uniform_resample: Optional[torch.Tensor] = None,
+    num_draft_tokens: Optional[torch.Tensor] = None,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative-decoding rejection sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    Args:
+        draft_token_ids: int64 ``[B, k]``.
+        draft_probs: float32 ``[B, k, V]``, or None for a deterministic (one-hot) draft.
+        target_probs: float32 ``[B, k+1, V]``.
+        uniform_accept: float32 ``[B, k]`` in [0, 1); drawn from ``generator`` when None.
+        uniform_resample: float32 ``[B, k+1]`` in [0, 1); drawn from ``generator`` when None,
+            as an independent draw (no random stream serves two purposes).
+        num_draft_tokens: int32 ``[B]``, each ``<= k``; default k for every request.
+        generator: the ``torch.Generator`` the uniforms come from (default: the global one).
+
+    Returns:
+        ``(output_token_ids, num_accepted)``: int64 ``[B, k+1]`` (accepted tokens, then the one
+        corrected or bonus token, then -1) and int32 ``[B]``.
+    """
+    batch, k = draft_token_ids.shape
+    device = target_probs.device
+    if uniform_accept is None:
+        uniform_accept = torch.rand((batch, k), generator=generator, device=device,
+                                    dtype=torch.float32)
+    if uniform_resample is None:
+        uniform_resample = torch.rand((batch, k + 1), generator=generator, device=device,
+                                      dtype=torch.float32)
+    return _ops.rejection_sample.default(draft_token_ids, draft_probs, target_probs,
+                                         uniform_accept, uniform_resample, num_draft_tokens)
+
+
+def greedy_verify(draft_token_ids: torch.Tensor, target_token_ids: torch.Tensor,
+                  num_draft_tokens: Optional[torch.Tensor] = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: accept drafted tokens while they equal the target's argmax.
+
+    Args:
+        draft_token_ids: int64 ``[B, k]``.
+        target_token_ids: int64 ``[B, k+1]``, the target's argmax at each position.
+        num_draft_tokens: int32 ``[B]`` (each ``<= k``), default k.
+
+    Returns:
+        ``(output_token_ids, num_accepted)`` as for :func:`rejection_sample`.
+    """
+    return _ops.greedy_verify.default(draft_token_ids, target_token_ids, num_draft_tokens)
+
+
+def cms_update(sketch: torch.Tensor, keys: torch.Tensor,
+               increments: Optional[torch.Tensor] = None, conservative: bool = False) -> None:
+    """Count-min sketch update (plain, or conservative as in Estan & Varghese).
+
+    Args:
+        sketch: int32 ``[depth, width]``, depth 1..16, counters saturate at 2^31 - 1. Written.
+        keys: int64 ``[n]``.
+        increments: int32 ``[n]``, each >= 0; default 1 per key.
+        conservative: raise each hit counter only to (estimate before the call + this call's
+            increments for the key). Both modes are independent of the order of keys.
+    """
+    _ops.cms_update.default(sketch, keys, increments, conservative)
+
+
+def cms_query(sketch: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Count-min estimate of each key: int32 ``[n]``, the min over rows.
+
+    Args:
+        sketch: int32 ``[depth, width]``.
+        keys: int64 ``[n]``.
+    """
+    return _ops.cms_query.default(sketch, keys)
+
+
+def cms_decay(sketch: torch.Tensor, shift: int = 1) -> None:
+    """Age the sketch: every counter is shifted right by ``shift`` (TinyLFU's reset).
+
+    Args:
+        sketch: int32 ``[depth, width]``. Written.
+        shift: bits to shift, 0..31.
+    """
+    _ops.cms_decay.default(sketch, int(shift))

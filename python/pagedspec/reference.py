@@ -1,0 +1,133 @@
+"""Pure-PyTorch meaning of every pagedspec op: the executable form of CONTRACT.md.
+
+Written for clarity, not speed: the tests hold the CPU and CUDA kernels to these functions and the
+benchmarks report the kernels' speedup over them. Signatures match :mod:`pagedspec.ops`; ops that
+write into buffers do so here too.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def _is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_MAX
+
+
+def _scale_for_heads(scale: torch.Tensor, ndim: int) -> torch.Tensor:
+    """Broadcast a ``[]`` or ``[H]`` scale against ``[..., H, D]``."""
+    scale = scale.to(torch.float32)
+    if scale.dim() == 1:
+        return scale.reshape((1,) * (ndim - 2) + (-1, 1))
+    return scale
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8
+
+
+def quantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) -> None:
+    """out = saturate(input / scale) in out's FP8 format (round to nearest even, NaN kept)."""
+    fp8_max = FP8_MAX[out.dtype]
+    scaled = input.float() / _scale_for_heads(scale, input.dim())
+    out.copy_(scaled.clamp(-fp8_max, fp8_max).to(out.dtype))
+
+
+def dequantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) -> None:
+    """out = input * scale, computed in float32."""
+    out.copy_((input.float() * _scale_for_heads(scale, input.dim())).to(out.dtype))
+
+
+def dequantize_cache(cache: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """A paged cache ``[NB, BS, Hkv, D]`` as float32 values (FP8 read as stored * scale)."""
+    if not _is_fp8(cache.dtype):
+        return cache.float()
+    values = torch.empty(cache.shape, dtype=torch.float32, device=cache.device)
+    one = torch.ones((), dtype=torch.float32, device=cache.device)
+    dequantize_fp8(values, cache, one if scale is None else scale)
+    return values
+
+
+# ----------------------------------------------------------------------------------------------
+# Cache management
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: Optional[torch.Tensor] = None,
+                      v_scale: Optional[torch.Tensor] = None) -> None:
+    """Token t's K/V go to slot slot_mapping[t] (-1 skips), converted to the cache dtype."""
+    block_size = key_cache.shape[1]
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        for src, cache, scale in ((key, key_cache, k_scale), (value, value_cache, v_scale)):
+            row = src[t]  # [Hkv, D]
+            if _is_fp8(cache.dtype):
+                quantized = torch.empty(row.shape, dtype=cache.dtype, device=cache.device)
+                one = torch.ones((), dtype=torch.float32, device=row.device)
+                quantize_fp8(quantized, row, one if scale is None else scale)
+                cache[block, offset] = quantized
+            else:
+                cache[block, offset] = row.to(cache.dtype)
+
+
+def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
+                block_mapping: torch.Tensor) -> None:
+    """For every (src, dst) row: block dst := block src, in every layer's K and V cache."""
+    pairs = block_mapping.tolist()
+    dsts = [dst for _, dst in pairs]
+    srcs = {src for src, _ in pairs}
+    if len(set(dsts)) != len(dsts) or srcs.intersection(dsts):
+        raise ValueError("copy_blocks: a dst block repeats or is also a src block")
+    for cache in (*key_caches, *value_caches):
+        for src, dst in pairs:
+            cache[dst] = cache[src]
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """dst[block_mapping[j, 1]] := src[block_mapping[j, 0]] for every j, in order."""
+    for s, d in block_mapping.tolist():
+        dst[d] = src[s].to(dst.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# Paged attention (issue 3)
+
+
+def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                    max_q_len, scale, k_scale=None, v_scale=None, lse=None, attn_mass=None):
+    raise NotImplementedError("reference.paged_attention: see issue 3")
+
+
+# ----------------------------------------------------------------------------------------------
+# Speculative decoding verification (issue 4)
+
+
+def rejection_sample(draft_token_ids, draft_probs, target_probs, uniform_accept, uniform_resample,
+                     num_draft_tokens=None):
+    raise NotImplementedError("reference.rejection_sample: see issue 4")
+
+
+def greedy_verify(draft_token_ids, target_token_ids, num_draft_tokens=None):
+    raise NotImplementedError("reference.greedy_verify: see issue 4")
+
+
+# ----------------------------------------------------------------------------------------------
+# Count-min sketch (issue 5)
+
+
+def cms_update(sketch, keys, increments=None, conservative=False):
+    raise NotImplementedError("reference.cms_update: see issue 5")
+
+
+def cms_query(sketch, keys):
+    raise NotImplementedError("reference.cms_query: see issue 5")
+
+
+def cms_decay(sketch, shift=1):
+    raise NotImplementedError("reference.cms_decay: see issue 5")

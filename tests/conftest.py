@@ -1,0 +1,34 @@
+"""Shared test fixtures: the device grid (CUDA cases skip with a reason when no GPU is present)
+and seeded random generators, so every test uses fresh, reproducible random data."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pagedspec
+
+HAS_CUDA = pagedspec.build_info()["cuda_available"]
+CUDA_SKIP_REASON = (
+    "no CUDA GPU available" if "cuda" in pagedspec.build_info()["backends"]
+    else "pagedspec was built without CUDA kernels"
+)
+
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=CUDA_SKIP_REASON)
+
+# Parametrize a test over devices with `@pytest.mark.parametrize("device", DEVICES)`.
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])]
+
+
+def pytest_collection_modifyitems(config, items):
+    # Anything marked `cuda` skips without a GPU, even if it forgot `requires_cuda`.
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason=CUDA_SKIP_REASON))
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A CPU generator seeded from the test's id: fresh data per test, same data per rerun."""
+    g = torch.Generator()
+    g.manual_seed(abs(hash(request.node.nodeid)) % (2**31))
+    return g
