@@ -34,6 +34,18 @@ def _cuda_home() -> str | None:
     return None
 
 
+def _tool(name: str) -> str | None:
+    """The cmake / ninja of the running Python's environment (their PyPI packages), else PATH's."""
+    try:
+        module = __import__(name)
+        path = Path(module.CMAKE_BIN_DIR if name == "cmake" else module.BIN_DIR) / name
+        if path.exists():
+            return str(path)
+    except (ImportError, AttributeError):
+        pass
+    return shutil.which(name)
+
+
 class CMakeExtension(Extension):
     def __init__(self, name: str) -> None:
         super().__init__(name, sources=[])
@@ -65,13 +77,16 @@ class CMakeBuild(build_ext):
             nvcc = Path(cuda_home) / "bin" / "nvcc"
             if nvcc.exists():
                 args += [f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DCUDAToolkit_ROOT={cuda_home}"]
-        ninja = shutil.which("ninja")
+        ninja = _tool("ninja")
         if ninja:
             args += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
         jobs = os.environ.get("MAX_JOBS") or str(os.cpu_count() or 1)
 
-        subprocess.run(["cmake", "-S", str(ROOT), "-B", str(build_dir), *args], check=True, env=env)
-        subprocess.run(["cmake", "--build", str(build_dir), "-j", jobs], check=True, env=env)
+        cmake = _tool("cmake")
+        if cmake is None:
+            raise RuntimeError("pagedspec: cmake >= 3.26 is needed to build (pip install cmake)")
+        subprocess.run([cmake, "-S", str(ROOT), "-B", str(build_dir), *args], check=True, env=env)
+        subprocess.run([cmake, "--build", str(build_dir), "-j", jobs], check=True, env=env)
 
 
 setup(
