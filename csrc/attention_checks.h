@@ -44,6 +44,8 @@ struct AttentionArgs {
 
   // Longest context the block table can describe: the host-side bound used to size the v2
   // scratch buffers and by the dispatcher (the real seq_lens live on the device).
+  // Bound on q_len for sizing launches: the caller's max_q_len, but never above num_tokens.
+  int64_t launch_max_q_len() const { return std::min(max_q_len, num_tokens); }
   int block_shift() const {
     int shift = 0;
     while ((int64_t(1) << shift) < block_size) ++shift;
@@ -155,7 +157,7 @@ inline AttentionArgs check_attention(const char* op, const at::Tensor& out,
   AttentionArgs args{format,     ScaleRef{nullptr, false}, ScaleRef{nullptr, false},
                      num_tokens, num_seqs,     num_heads,    num_kv_heads,
                      head_size,  num_blocks,   block_size,   block_tables.size(1),
-                     std::min(max_q_len, num_tokens)};  // no q_len can exceed num_tokens
+                     max_q_len};
   if (format != CacheFormat::kNative) {
     args.k_scale = make_scale_ref(op, "k_scale", k_scale, num_kv_heads, query.device());
     args.v_scale = make_scale_ref(op, "v_scale", v_scale, num_kv_heads, query.device());

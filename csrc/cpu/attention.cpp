@@ -678,7 +678,7 @@ void paged_attention_cpu_impl(const char* op, Variant variant, bool dispatch, at
       p.block_size = static_cast<int>(args.block_size);
       p.block_shift = args.block_shift();
       p.max_blocks_per_seq = static_cast<int>(args.max_blocks_per_seq);
-      p.max_q_len = static_cast<int>(args.max_q_len);
+      p.max_q_len = static_cast<int>(args.launch_max_q_len());
       p.max_partitions = 1;
       run_cpu<scalar_t, cache_t, kCacheFormat>(p, args, variant, dispatch, lse, query);
     });

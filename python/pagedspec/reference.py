@@ -144,6 +144,11 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
             attn_mass.index_add_(0, slots, probs.sum(dim=(0, 1)))
 
 
+# v1 and v2 differ only in how the kernels split the work; they mean the same thing.
+paged_attention_v1 = paged_attention
+paged_attention_v2 = paged_attention
+
+
 # ----------------------------------------------------------------------------------------------
 # Speculative decoding verification (issue 4)
 
