@@ -49,7 +49,14 @@ inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
 inline vfloat vzero() { return _mm512_setzero_ps(); }
 inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
+inline float vsum(vfloat v) {
+  // Halves, quarters, pairs, lanes (GCC 12's _mm512_reduce_add_ps warns under -Wall).
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
+  return _mm512_cvtss_f32(v);
+}
 #else
 struct vfloat {
   float v[kLanes];
@@ -102,7 +109,7 @@ inline float exp2_weights(float* w, int n, float max) {
     _mm512_storeu_ps(w + i, e);
     total = _mm512_add_ps(total, e);
   }
-  return _mm512_reduce_add_ps(total);
+  return vsum(total);
 #else
   float sum = 0.0f;
   for (int i = 0; i < n; ++i) {

@@ -94,7 +94,6 @@ PS_HOST_DEVICE SoftmaxMerge merge_softmax(SoftmaxState a, SoftmaxState b) {
   return SoftmaxMerge{SoftmaxState{max, a.sum * wa + b.sum * wb}, wa, wb};
 }
 
-// Which sequence and query row a (row-major) query token belongs to, and what it may see.
 // Query token j (0-based within its sequence) of a sequence with KV length seq_len and q_len
 // query tokens sees positions 0 .. causal_limit (inclusive).
 PS_HOST_DEVICE int causal_limit(int seq_len, int q_len, int j) { return seq_len - q_len + j; }
@@ -144,17 +143,43 @@ struct PagedAttentionParams {
   int max_blocks_per_seq;     // M: block_tables.size(1)
   int max_q_len;              // host-side bound on every q_len (>= 1 unless T == 0)
   int max_partitions;         // P: partitions of the longest possible context (v2), else 1
+  int partition_size;         // positions per partition: kPartitionSize (v2), M * BS (v1)
+  int row_chunks;             // CUDA: CTAs per (sequence, KV head, partition), covering its rows
+  const float* mass_lse;      // [T, Hq] final natural-log LSE: set only for the attn_mass pass
 
   PS_HOST_DEVICE int group_size() const { return num_heads / num_kv_heads; }
   PS_HOST_DEVICE int64_t cache_token_stride() const { return int64_t(num_kv_heads) * head_size; }
   // Cache element offset of (position, KV head) of sequence `seq`, through the block table.
+  // Cache slot of position `pos` of sequence `seq`. The block id is clamped into the cache: ids
+  // are validated on the host (always on CPU, with PAGEDSPEC_DEBUG=1 on CUDA), and an unchecked
+  // bad id must not make a kernel read outside the cache.
   PS_HOST_DEVICE int64_t slot(int seq, int pos) const {
-    const int block = block_tables[int64_t(seq) * max_blocks_per_seq + (pos >> block_shift)];
+    int block = block_tables[int64_t(seq) * max_blocks_per_seq + (pos >> block_shift)];
+    block = block < 0 ? 0 : (block >= num_blocks ? int(num_blocks - 1) : block);
     return (int64_t(block) << block_shift) + (pos & (block_size - 1));
   }
   PS_HOST_DEVICE int64_t cache_offset(int seq, int pos, int kv_head) const {
     return slot(seq, pos) * cache_token_stride() + int64_t(kv_head) * head_size;
   }
+};
+
+// The v2 reduction: merges the partitions of every (query token, head) by log-sum-exp.
+template <typename QT>
+struct PartitionReduceParams {
+  QT* out;                  // [T, Hq, D]; strides out_token_stride, out_head_stride, 1
+  float* lse;               // [T, Hq] natural-log LSE, or null
+  const float* part_acc;    // [T, Hq, P, D] unnormalized partial outputs (v scale applied)
+  const float* part_max;    // [T, Hq, P] partial SoftmaxState::max (log2 domain)
+  const float* part_sum;    // [T, Hq, P] partial SoftmaxState::sum
+  const int* seq_lens;      // [B]
+  const int* cu_seqlens_q;  // [B + 1]
+  int64_t out_token_stride; // out.stride(0), elements
+  int64_t out_head_stride;  // out.stride(1), elements
+  int num_seqs;             // B
+  int num_heads;            // Hq
+  int head_size;            // D
+  int max_partitions;       // P
+  int max_context;          // M * BS: bound on seq_lens (clamps unchecked inputs)
 };
 
 }  // namespace pagedspec

@@ -101,9 +101,28 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                seq_lens, cu_seqlens_q, max_q_len, scale, k_scale, v_scale, lse, attn_mass)
 
 
-paged_attention_v1.__doc__ = _attention_doc("v1: one pass per sequence and KV head group")
-paged_attention_v2.__doc__ = _attention_doc("v2: context split into partitions, merged by LSE")
-paged_attention.__doc__ = _attention_doc("dispatcher: picks v1 or v2 by occupancy and length")
+paged_attention_v1.__doc__ = _attention_doc("v1: one pass per sequence and KV head group") + """
+    One CUDA thread block (one CPU task) per (sequence, KV head, chunk of query rows) walks the
+    whole context with an online softmax in registers, so any context length works (nothing about
+    it is kept in shared memory). Best when sequences x KV heads fill the device.
+    """
+paged_attention_v2.__doc__ = _attention_doc("v2: context split into partitions, merged by LSE") + """
+    Partitions of 512 positions are processed by separate thread blocks (CPU tasks), which write
+    partial (output, max, sum) to scratch buffers from the caching allocator; a second kernel
+    merges them by log-sum-exp. Best for few sequences with long contexts.
+    """
+paged_attention.__doc__ = _attention_doc("dispatcher: picks v1 or v2 by occupancy and length") + """
+    Heuristic. CUDA: v2 when v1 would run fewer than 4 full waves of thread blocks
+    (``num_seqs * num_kv_heads * row_chunks < 4 * SM count * resident blocks per SM``, the last
+    from the occupancy calculator; row_chunks = ``ceil(max_q_len * Hq / Hkv / rows)``, rows being
+    8 for 16-bit caches with more than 4 rows per KV head and 4 otherwise) and the block table can
+    hold a context of at least two partitions (``M * BS >= 1024``: the block-table width is the
+    host-side bound on the context, since seq_lens live on the device and reading them would
+    synchronize). With few waves v1 leaves SMs idle (at batch 1 most of them); v2 costs under 1%
+    extra traffic for its partials plus one small launch. Otherwise v1. CPU: v2 when v1 has fewer
+    than two tasks per thread (``torch.get_num_threads()``) and the longest sequence is at least
+    1024 tokens; otherwise v1.
+    """
 
 
 def quantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) -> None:
