@@ -247,6 +247,32 @@ def test_v1_equals_v2(gen, device, dtype, cache_dtype):
     torch.testing.assert_close(mass1, mass2, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("scale", [0.37, 3.0, 1e-3])
+def test_fp8_decode_is_exact(device, cache_dtype, scale):
+    # 256 one-position sequences, sequence c's V row holding code c: the output is that value,
+    # which must be exactly stored * scale (NaN codes stay NaN, e5m2 infinities stay infinite).
+    n, head_size = 256, 64
+    codes = torch.arange(n, dtype=torch.uint8)
+    key_cache = torch.zeros(n, 1, 1, head_size, dtype=torch.uint8).view(cache_dtype)
+    value_cache = codes.view(n, 1, 1, 1).expand(n, 1, 1, head_size).contiguous().view(cache_dtype)
+    scale_t = torch.tensor(scale)
+    query = torch.randn(n, 1, head_size).half()
+    want = (codes.view(cache_dtype).float() * scale_t).half()
+    args = [query, key_cache, value_cache, torch.arange(n, dtype=torch.int32).view(n, 1),
+            torch.ones(n, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32), 1, 1.0,
+            scale_t, scale_t]
+    args = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+    for fn in (ops.paged_attention_v1, ops.paged_attention_v2):
+        out = torch.empty_like(args[0])
+        fn(out, *args)
+        got = out.cpu()[:, 0, :]
+        assert torch.equal(torch.isnan(got), torch.isnan(want)[:, None].expand_as(got))
+        finite = ~torch.isnan(want)
+        assert torch.equal(got[finite], want[finite, None].expand(-1, head_size))
+
+
 # ------------------------------------------------------------------------------------------
 # attn_mass, lse, layouts, edge cases
 

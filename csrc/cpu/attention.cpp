@@ -49,6 +49,7 @@ inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
 inline vfloat vzero() { return _mm512_setzero_ps(); }
 inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
 inline float vsum(vfloat v) {
   // Halves, quarters, pairs, lanes (GCC 12's _mm512_reduce_add_ps warns under -Wall).
   v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
@@ -78,6 +79,10 @@ inline vfloat vzero() { return vset1(0.0f); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
   for (int i = 0; i < kLanes; ++i) c.v[i] += a.v[i] * b.v[i];
   return c;
+}
+inline vfloat vadd(vfloat a, vfloat b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i];
+  return a;
 }
 inline float vsum(vfloat x) {
   for (int w = kLanes / 2; w > 0; w /= 2) {
@@ -121,16 +126,22 @@ inline float exp2_weights(float* w, int n, float max) {
 #endif
 }
 
-// Reads 16 cache elements as floats. Native caches convert exactly as ScalarConvert does (with
-// AVX-512, bf16 is a 16-bit shift and fp16 the hardware conversion); FP8 caches look codes up in
-// a table of CacheCodec::decode(code, scale) for the task's head, which is exactly stored * scale.
+// Reads 16 cache elements as floats, exactly as CacheCodec::decode(code, scale) (FP8) or
+// ScalarConvert (native) would. Without AVX-512, FP8 codes are looked up in a per-head table of
+// CacheCodec::decode. With AVX-512: bf16 is a 16-bit shift and fp16 the hardware conversion; an
+// e5m2 code is the top byte of the fp16 with the same value; an e4m3 code's 7 magnitude bits
+// shifted left by 7 (sign to bit 15) form the fp16 of value * 2^-8, subnormals included, so
+// fp16 -> float times (scale * 2^8) rounds exactly as value * scale does. The one e4m3 code
+// with no image there, NaN (S.1111.111), is patched in.
 template <typename CacheT, CacheFormat F>
 struct CacheReader {
   float table[256];
+  float scale;
 
-  void init(float scale) {
+  void init(float s) {
+    scale = s;
     if constexpr (F != CacheFormat::kNative) {
-      for (int c = 0; c < 256; ++c) table[c] = CacheCodec<uint8_t, F>::decode(uint8_t(c), scale);
+      for (int c = 0; c < 256; ++c) table[c] = CacheCodec<uint8_t, F>::decode(uint8_t(c), s);
     }
   }
 
@@ -144,6 +155,22 @@ struct CacheReader {
     } else if constexpr (std::is_same_v<CacheT, c10::Half>) {
       return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     }
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    if constexpr (F == CacheFormat::kE5M2) {
+      const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(codes, 8)), _mm512_set1_ps(scale));
+    } else if constexpr (F == CacheFormat::kE4M3) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      const __m256i codes = _mm256_cvtepu8_epi16(raw);
+      const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x7F)), 7);
+      const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x80)), 8);
+      const __m512 value = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(magnitude, sign)),
+                                         _mm512_set1_ps(scale * 256.0f));
+      const __mmask16 nan =
+          _mm_cmpeq_epi8_mask(_mm_and_si128(raw, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
+      return _mm512_mask_mov_ps(value, nan, _mm512_set1_ps(__builtin_nanf("")));
+    }
+#endif
 #endif
     alignas(64) float tmp[kLanes];
     if constexpr (F == CacheFormat::kNative) {
@@ -236,13 +263,27 @@ inline void accumulate_block(float* __restrict acc, const float* __restrict w,
                              const CacheT* const* v, const CacheReader<CacheT, F>& reader, int n,
                              int D, int w_stride) {
   for (int d = 0; d < D; d += kLanes) {
-    vfloat a[NR];
-    for (int r = 0; r < NR; ++r) a[r] = vload(acc + r * D + d);
-    for (int t = 0; t < n; ++t) {
-      const vfloat vv = reader.load16(v[t] + d);
-      for (int r = 0; r < NR; ++r) a[r] = vfma(vset1(w[r * w_stride + t]), vv, a[r]);
+    // Two accumulators per row (even and odd positions) so that, with few rows, the FMA latency
+    // chains are not what limits the loop.
+    vfloat a[NR], b[NR];
+    for (int r = 0; r < NR; ++r) {
+      a[r] = vload(acc + r * D + d);
+      b[r] = vzero();
     }
-    for (int r = 0; r < NR; ++r) vstore(acc + r * D + d, a[r]);
+    int t = 0;
+    for (; t + 2 <= n; t += 2) {
+      const vfloat v0 = reader.load16(v[t] + d);
+      const vfloat v1 = reader.load16(v[t + 1] + d);
+      for (int r = 0; r < NR; ++r) {
+        a[r] = vfma(vset1(w[r * w_stride + t]), v0, a[r]);
+        b[r] = vfma(vset1(w[r * w_stride + t + 1]), v1, b[r]);
+      }
+    }
+    if (t < n) {
+      const vfloat v0 = reader.load16(v[t] + d);
+      for (int r = 0; r < NR; ++r) a[r] = vfma(vset1(w[r * w_stride + t]), v0, a[r]);
+    }
+    for (int r = 0; r < NR; ++r) vstore(acc + r * D + d, vadd(a[r], b[r]));
   }
 }
 
