@@ -1,16 +1,18 @@
 // CUDA kernels for paged_attention_v1 / paged_attention_v2 / paged_attention.
 //
-// One CTA serves one (sequence, KV head, partition, chunk of query rows). Its rows are the query
-// tokens x query heads of that KV head's group (up to kRows at once), so every K/V byte of the
-// partition is read from memory once for the whole group, not once per query head.
+// One CTA serves one (sequence, KV head, partition, chunk of up to 4 query rows). Its rows are
+// the query tokens x query heads of that KV head's group, so for decode with groups up to 4 every
+// K/V byte of the partition is read from memory once for the whole group, not once per query
+// head (longer row lists, e.g. verification, run as several CTAs over the same K/V, whose
+// re-reads mostly hit L2).
 //
 // Inside a CTA, each warp takes steps of kStep positions; a position's K (and V) row is split
-// across kLanes lanes, each loading one 16-byte vector (8 half/bf16 elements or 16 FP8 codes,
-// FP8 decoded in registers). A lane keeps its slice of every row's scaled query and output
-// accumulator in registers; scores are reduced over the kLanes lanes with shuffles. Each lane
-// group runs its own online softmax (include/pagedspec/attention.h, the helpers the CPU kernel
-// uses), and the groups, then the warps, are merged with merge_softmax at the end. Nothing about
-// the context length lives in shared memory, so v1 handles any length.
+// across D / 16 lanes, each loading its 16 elements with 16-byte loads (two for half/bf16, one
+// for FP8) and decoding them in registers. A lane keeps its slice of every row's scaled query and
+// output accumulator in registers; scores are reduced over the lanes of a position with
+// shuffles. Each lane group runs its own online softmax (include/pagedspec/attention.h, the
+// helpers the CPU kernel uses), and the groups, then the warps, are merged with merge_softmax at
+// the end. Nothing about the context length lives in shared memory, so v1 handles any length.
 //
 // v1: one partition spanning the context; the CTA writes out and lse directly.
 // v2: partitions of kPartitionSize positions in separate CTAs, each writing a partial
@@ -49,21 +51,25 @@ constexpr int next_pow2(int x) {
   return p;
 }
 
-// How a CTA lays positions and head dimensions over its threads. kRows query rows per CTA: each
-// lane holds kRows x kVec query values and as many accumulators in registers, so 64 / kVec rows
-// (8 for half/bf16 caches, 4 for FP8) is the most that fits without spilling; 4 rows (enough
-// for decode up to a group size of 4) leave room for more resident CTAs.
-template <typename CacheT, int D, int kRowsPerCta>
+// How a CTA lays positions and head dimensions over its threads. Each lane owns kElems = 16
+// consecutive head dimensions of a position (one 16-byte load for FP8, two for half/bf16), so a
+// K or V row is spread over D / 16 lanes (rounded up to a power of two: 8 for D = 80..128) and
+// scores need only log2 of that many shuffle levels; the softmax bookkeeping, which every lane
+// of a position repeats, is shared by few lanes. A lane holds kRows x kElems query values and as
+// many accumulators: 4 rows (decode up to a group size of 4 in one CTA) keep that at 128
+// registers; more rows are split over more CTAs.
+template <typename CacheT, int D>
 struct Layout {
-  static constexpr int kVec = 16 / int(sizeof(CacheT));         // elements per 16-byte load
-  static constexpr int kVecsPerRow = D / kVec;                   // loads per K or V row
-  static constexpr int kLanes = next_pow2(kVecsPerRow);          // lanes sharing a position
-  static constexpr int kGroups = kWarpSize / kLanes;             // positions a warp loads at once
-  static constexpr int kUnroll = 2;                              // positions per group per step
-  static constexpr int kStep = kGroups * kUnroll;                // positions per warp step
-  static constexpr int kRows = kRowsPerCta;
-  static_assert(kRows * kVec <= 64, "query and accumulator registers would spill");
-  static_assert(D % kVec == 0, "head size must be a multiple of the vector width");
+  static constexpr int kElems = 16;                               // elements per lane
+  static constexpr int kVec = 16 / int(sizeof(CacheT));           // elements per 16-byte load
+  static constexpr int kLoads = kElems / kVec;                    // 16-byte loads per lane
+  static constexpr int kSlices = D / kElems;                      // lanes a row needs
+  static constexpr int kLanes = next_pow2(kSlices);               // lanes sharing a position
+  static constexpr int kGroups = kWarpSize / kLanes;              // positions a warp loads at once
+  static constexpr int kUnroll = 2;                               // positions per group per step
+  static constexpr int kStep = kGroups * kUnroll;                 // positions per warp step
+  static constexpr int kRows = 4;                                 // query rows per CTA
+  static_assert(D % kElems == 0, "head size must be a multiple of 16");
   static_assert(kLanes <= kWarpSize, "a row must fit in one warp");
 };
 
@@ -116,16 +122,17 @@ __device__ __forceinline__ RowPlace place_row(const PagedAttentionParams<QT, Cac
   return RowPlace{q_begin + row / G, kv_head * G + row % G, causal_limit(seq_len, q_len, row / G)};
 }
 
-// Resident CTAs per SM the register budget is sized for: 4-row kernels need ~130 registers and
-// fit three (more warps to keep loads in flight); 8-row and FP8 kernels need ~200-230 and fit two.
-template <int kRowsPerCta, int kVec>
-constexpr int kMinCtasPerSm = kRowsPerCta * kVec <= 32 ? 3 : 2;
+// Two resident CTAs per SM (8 warps) is what the ~200 registers allow; with 2 positions x 2
+// (K, V) x 32 bytes per lane that keeps 32 KB of loads in flight per SM.
+constexpr int kMinCtasPerSm = 2;
 
-template <typename QT, typename CacheT, CacheFormat F, int D, int kRowsPerCta>
-__global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<kRowsPerCta, 16 / int(sizeof(CacheT))>))
+template <typename QT, typename CacheT, CacheFormat F, int D>
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     paged_attention_kernel(const PagedAttentionParams<QT, CacheT> p) {
-  using L = Layout<CacheT, D, kRowsPerCta>;
+  using L = Layout<CacheT, D>;
+  constexpr int kElems = L::kElems;
   constexpr int kVec = L::kVec;
+  constexpr int kLoads = L::kLoads;
   constexpr int kRows = L::kRows;
   constexpr int kLanes = L::kLanes;
   constexpr int kUnroll = L::kUnroll;
@@ -157,12 +164,12 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<kRowsPerCta, 16 / int
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   const int group = lane / kLanes;
-  const int slice = lane % kLanes;                 // which 16-byte vector of a row
-  const bool active = slice < L::kVecsPerRow;      // lanes past the head size hold zeros
+  const int slice = lane % kLanes;                 // which 16 dimensions of a row
+  const bool active = slice < L::kSlices;          // lanes past the head size hold zeros
   const bool mass_mode = p.mass_lse != nullptr;
 
   int limit[kRows];
-  float q[kRows][kVec];
+  float q[kRows][kElems];
   float lse2[kRows];  // mass mode: final LSE in the log2 domain
   const float q_scale = p.scale * kLog2e * (kFp8 ? p.k_scale.at(kv_head) : 1.0f);
 #pragma unroll
@@ -170,9 +177,9 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<kRowsPerCta, 16 / int
     const RowPlace place = place_row(p, row0 + r, num_rows, q_begin, q_len, seq_len, kv_head);
     limit[r] = place.limit;
     const QT* src = p.query + int64_t(place.token) * p.q_token_stride +
-                    int64_t(place.head) * p.q_head_stride + slice * kVec;
+                    int64_t(place.head) * p.q_head_stride + slice * kElems;
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) {
+    for (int e = 0; e < kElems; ++e) {
       q[r][e] = (r < num_rows && active) ? ScalarConvert<QT>::to_float(src[e]) * q_scale : 0.0f;
     }
     lse2[r] = 0.0f;
@@ -182,28 +189,37 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<kRowsPerCta, 16 / int
   }
 
   SoftmaxState state[kRows];
-  float acc[kRows][kVec];
+  float acc[kRows][kElems];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     state[r] = SoftmaxState::empty();
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) acc[r][e] = 0.0f;
+    for (int e = 0; e < kElems; ++e) acc[r][e] = 0.0f;
   }
 
   // --- Main loop: warps interleave steps of kStep positions. ---
   for (int base = ctx_begin + warp * L::kStep; base < ctx_end; base += kWarps * L::kStep) {
     int pos[kUnroll];
-    uint4 kraw[kUnroll], vraw[kUnroll];
+    uint4 kraw[kUnroll][kLoads], vraw[kUnroll][kLoads];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       pos[u] = base + u * L::kGroups + group;
-      kraw[u] = make_uint4(0, 0, 0, 0);
-      vraw[u] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) {
+        kraw[u][i] = make_uint4(0, 0, 0, 0);
+        vraw[u][i] = make_uint4(0, 0, 0, 0);
+      }
       // Positions past ctx_end (<= seq_len) are never loaded: unused slots stay unread.
       if (pos[u] < ctx_end && active) {
-        const int64_t off = p.cache_offset(seq, pos[u], kv_head) + slice * kVec;
-        kraw[u] = __ldg(reinterpret_cast<const uint4*>(p.key_cache + off));
-        if (!mass_mode) vraw[u] = __ldg(reinterpret_cast<const uint4*>(p.value_cache + off));
+        const int64_t off = p.cache_offset(seq, pos[u], kv_head) + slice * kElems;
+        const uint4* k_src = reinterpret_cast<const uint4*>(p.key_cache + off);
+        const uint4* v_src = reinterpret_cast<const uint4*>(p.value_cache + off);
+#pragma unroll
+        for (int i = 0; i < kLoads; ++i) kraw[u][i] = __ldg(k_src + i);
+        if (!mass_mode) {
+#pragma unroll
+          for (int i = 0; i < kLoads; ++i) vraw[u][i] = __ldg(v_src + i);
+        }
       }
     }
     // Scores: partial dot products over this lane's slice, then summed over the kLanes lanes
@@ -211,19 +227,18 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<kRowsPerCta, 16 / int
     float s[kUnroll][kRows];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      float kf[kVec];
-      decode_vector<CacheT, F>(kraw[u], kf);
+      float kf[kElems];
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) decode_vector<CacheT, F>(kraw[u][i], kf + i * kVec);
+      // Every row, padding rows included (their query is 0 and their limit -1, so they end up
+      // with weight 0): no per-row branches in the hot loop.
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         float dot = 0.0f;
-        if (r < num_rows) {
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) dot = fmaf(q[r][e], kf[e], dot);
+        for (int e = 0; e < kElems; ++e) dot = fmaf(q[r][e], kf[e], dot);
 #pragma unroll
-          for (int off = kLanes / 2; off > 0; off /= 2) {
-            dot += __shfl_xor_sync(kFullMask, dot, off);
-          }
-        }
+        for (int off = kLanes / 2; off > 0; off /= 2) dot += __shfl_xor_sync(kFullMask, dot, off);
         s[u][r] = dot;
       }
     }
@@ -234,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<kRowsPerCta, 16 / int
         float mass = 0.0f;
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-          if (r < num_rows && pos[u] < ctx_end && pos[u] <= limit[r] && lse2[r] > neg_inf()) {
+          if (pos[u] <= limit[r] && pos[u] < ctx_end && lse2[r] > neg_inf()) {
             mass += softmax_exp2(s[u][r] - lse2[r]);
           }
         }
@@ -249,7 +264,6 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<kRowsPerCta, 16 / int
     // and their V vectors are either unloaded zeros (past ctx_end) or written values.
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      if (r >= num_rows) continue;
       float tile_max = neg_inf();
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -259,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<kRowsPerCta, 16 / int
       const float factor = state[r].raise_max(tile_max);
       if (factor != 1.0f) {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[r][e] *= factor;
+        for (int e = 0; e < kElems; ++e) acc[r][e] *= factor;
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -269,13 +283,13 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<kRowsPerCta, 16 / int
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      float vf[kVec];
-      decode_vector<CacheT, F>(vraw[u], vf);
+      float vf[kElems];
+#pragma unroll
+      for (int i = 0; i < kLoads; ++i) decode_vector<CacheT, F>(vraw[u][i], vf + i * kVec);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        if (r >= num_rows) continue;
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[r][e] = fmaf(s[u][r], vf[e], acc[r][e]);
+        for (int e = 0; e < kElems; ++e) acc[r][e] = fmaf(s[u][r], vf[e], acc[r][e]);
       }
     }
   }
@@ -291,7 +305,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<kRowsPerCta, 16 / int
                                __shfl_xor_sync(kFullMask, state[r].sum, off)};
       const SoftmaxMerge m = merge_softmax(state[r], other);
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
+      for (int e = 0; e < kElems; ++e) {
         const float theirs = __shfl_xor_sync(kFullMask, acc[r][e], off);
         acc[r][e] = acc[r][e] * m.weight_a + theirs * m.weight_b;
       }
@@ -308,7 +322,7 @@ __global__ void __launch_bounds__(kThreads, (kMinCtasPerSm<kRowsPerCta, 16 / int
       }
       if (active) {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) s_acc[warp][r][slice * kVec + e] = acc[r][e];
+        for (int e = 0; e < kElems; ++e) s_acc[warp][r][slice * kElems + e] = acc[r][e];
       }
     }
   }
@@ -411,16 +425,16 @@ bool cuda_prefers_v2(const AttentionArgs& args, int64_t row_chunks, int device,
          args.max_context() >= 2 * int64_t(kPartitionSize);
 }
 
-template <typename QT, typename CacheT, CacheFormat F, int D, int kRowsPerCta>
+template <typename QT, typename CacheT, CacheFormat F, int D>
 void launch(PagedAttentionParams<QT, CacheT> p, const AttentionArgs& args, Variant variant,
             const at::Tensor& query, cudaStream_t stream) {
-  using L = Layout<CacheT, D, kRowsPerCta>;
+  using L = Layout<CacheT, D>;
   const char* op = "paged_attention";
   p.row_chunks = ceil_div(args.launch_max_q_len() * (args.num_heads / args.num_kv_heads),
                           L::kRows);
   if (variant == Variant::kAuto) {
     static const int ctas_per_sm =
-        resident_ctas_per_sm(paged_attention_kernel<QT, CacheT, F, D, kRowsPerCta>);
+        resident_ctas_per_sm(paged_attention_kernel<QT, CacheT, F, D>);
     variant = cuda_prefers_v2(args, p.row_chunks, query.get_device(), ctas_per_sm)
                   ? Variant::kV2
                   : Variant::kV1;
@@ -450,7 +464,7 @@ void launch(PagedAttentionParams<QT, CacheT> p, const AttentionArgs& args, Varia
     p.partition_size = static_cast<int>(args.max_context());
     const dim3 grid(static_cast<unsigned>(args.num_seqs * p.row_chunks),
                     static_cast<unsigned>(args.num_kv_heads));
-    paged_attention_kernel<QT, CacheT, F, D, kRowsPerCta><<<grid, block, 0, stream>>>(p);
+    paged_attention_kernel<QT, CacheT, F, D><<<grid, block, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   } else {
     p.max_partitions = static_cast<int>(P);
@@ -463,7 +477,7 @@ void launch(PagedAttentionParams<QT, CacheT> p, const AttentionArgs& args, Varia
     p.part_sum = part_sum.data_ptr<float>();
     const dim3 grid(static_cast<unsigned>(args.num_seqs * p.row_chunks),
                     static_cast<unsigned>(args.num_kv_heads * P));
-    paged_attention_kernel<QT, CacheT, F, D, kRowsPerCta><<<grid, block, 0, stream>>>(p);
+    paged_attention_kernel<QT, CacheT, F, D><<<grid, block, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 
     PartitionReduceParams<QT> r{};
@@ -495,22 +509,9 @@ void launch(PagedAttentionParams<QT, CacheT> p, const AttentionArgs& args, Varia
     p.partition_size = kPartitionSize;
     const dim3 grid(static_cast<unsigned>(args.num_seqs * p.row_chunks),
                     static_cast<unsigned>(args.num_kv_heads * P));
-    paged_attention_kernel<QT, CacheT, F, D, kRowsPerCta><<<grid, block, 0, stream>>>(p);
+    paged_attention_kernel<QT, CacheT, F, D><<<grid, block, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-}
-
-// Rows per CTA: 8 when a (sequence, KV head) has more than 4 query rows and the cache is 16-bit;
-// 4 otherwise (decode with groups up to 4, and every FP8 cache, whose 16-element vectors double
-// the registers per row).
-template <typename QT, typename CacheT, CacheFormat F, int D>
-void launch_rows(PagedAttentionParams<QT, CacheT> p, const AttentionArgs& args, Variant variant,
-                 const at::Tensor& query, cudaStream_t stream) {
-  const int64_t rows = args.launch_max_q_len() * (args.num_heads / args.num_kv_heads);
-  if constexpr (F == CacheFormat::kNative) {
-    if (rows > 4) return launch<QT, CacheT, F, D, 8>(p, args, variant, query, stream);
-  }
-  launch<QT, CacheT, F, D, 4>(p, args, variant, query, stream);
 }
 
 template <typename Fn>
@@ -568,7 +569,7 @@ void dispatch_cache(const char* op, Variant variant, at::Tensor& out, const at::
     p.max_blocks_per_seq = static_cast<int>(args.max_blocks_per_seq);
     p.max_q_len = static_cast<int>(args.launch_max_q_len());
     dispatch_head_size(args.head_size, op, [&](auto d_tag) {
-      launch_rows<QT, CacheT, F, decltype(d_tag)::value>(p, args, variant, query, stream);
+      launch<QT, CacheT, F, decltype(d_tag)::value>(p, args, variant, query, stream);
     });
   };
   switch (args.format) {

@@ -114,9 +114,8 @@ paged_attention_v2.__doc__ = _attention_doc("v2: context split into partitions, 
 paged_attention.__doc__ = _attention_doc("dispatcher: picks v1 or v2 by occupancy and length") + """
     Heuristic. CUDA: v2 when v1 would run fewer than 4 full waves of thread blocks
     (``num_seqs * num_kv_heads * row_chunks < 4 * SM count * resident blocks per SM``, the last
-    from the occupancy calculator; row_chunks = ``ceil(max_q_len * Hq / Hkv / rows)``, rows being
-    8 for 16-bit caches with more than 4 rows per KV head and 4 otherwise) and the block table can
-    hold a context of at least two partitions (``M * BS >= 1024``: the block-table width is the
+    from the occupancy calculator; row_chunks = ``ceil(max_q_len * Hq / Hkv / 4)``, a block
+    serving up to 4 query rows) and the block table can hold a context of at least two partitions (``M * BS >= 1024``: the block-table width is the
     host-side bound on the context, since seq_lens live on the device and reading them would
     synchronize). With few waves v1 leaves SMs idle (at batch 1 most of them); v2 costs under 1%
     extra traffic for its partials plus one small launch. Otherwise v1. CPU: v2 when v1 has fewer
