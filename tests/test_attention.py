@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 import pagedspec  # noqa: F401
 from pagedspec import ops, reference
-from conftest import DEVICES
+from conftest import DEVICES, requires_cuda
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -348,13 +348,17 @@ def test_inf_and_nan_in_unused_slots(gen, device):
     check_case(case, ops.paged_attention_v2, mass=True)
 
 
-def test_dispatcher_prefers_v2_on_long_few_sequence_work(gen):
-    # On CPU the dispatcher's choice is an implementation detail; it must agree with both.
-    case = Case(gen, seq_lens=[4000], q_lens=[1], num_heads=4, num_kv_heads=1, head_size=64,
-                block_size=16, dtype=torch.float32)
-    out, _, _ = case.run(ops.paged_attention)
-    out1, _, _ = case.run(ops.paged_attention_v1)
-    torch.testing.assert_close(out, out1, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seq_lens", [[4000], [300] * 40])
+def test_dispatcher_agrees_with_v1_and_v2(gen, device, seq_lens):
+    # One long sequence (the dispatcher's v2 side) and many short ones (its v1 side).
+    case = Case(gen, seq_lens=seq_lens, q_lens=[1] * len(seq_lens), num_heads=4, num_kv_heads=1,
+                head_size=64, block_size=16, dtype=torch.float16, device=device)
+    out, lse, _ = case.run(ops.paged_attention, lse=True)
+    for fn in (ops.paged_attention_v1, ops.paged_attention_v2):
+        other, other_lse, _ = case.run(fn, lse=True)
+        assert_close(out, other.cpu(), torch.float16)
+        torch.testing.assert_close(lse, other_lse, rtol=2e-5, atol=2e-5)
 
 
 # ------------------------------------------------------------------------------------------
@@ -430,6 +434,15 @@ BAD = [
                            value_cache=lambda a: a["value_cache"].to(torch.float8_e4m3fn),
                            k_scale=torch.ones(3)), "k_scale"),
 ]
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_float32_query_is_cpu_only(gen):
+    case = Case(gen, seq_lens=[10], q_lens=[1], num_heads=4, num_kv_heads=2, head_size=64,
+                block_size=8, dtype=torch.float32, device="cuda")
+    with pytest.raises(RuntimeError, match="query must have dtype in {Half, BFloat16}"):
+        case.run(ops.paged_attention)
 
 
 @pytest.mark.parametrize("name", ["paged_attention_v1", "paged_attention_v2", "paged_attention"])

@@ -2,12 +2,15 @@
 //
 // A task is (sequence, KV head, chunk of query rows, range of positions). Its query rows are all
 // query tokens x all query heads of that KV head's group, so each K/V row is read from memory
-// once per task and used by every row. Positions are walked in tiles of kTile: the tile's K rows
-// are decoded to float once (FP8 through a 256-entry table built with the shared codec), scored
-// against every row, folded into each row's online-softmax state (include/pagedspec/attention.h,
-// the same helpers as the CUDA kernels), then the tile's V rows are decoded and accumulated.
-// Positions a row may not see (past its causal limit, or past seq_len) are never read: the loops
-// stop at each row's limit, so NaN or garbage in unused slots cannot reach the output.
+// once per task and used by every row. Positions are walked in tiles of kTile: K rows are read
+// straight from the cache and decoded in registers (CacheReader: bf16/fp16 conversions, FP8 as
+// exactly CacheCodec::decode), scored against the rows in 4-row x 4-position blocks, folded into
+// each row's online-softmax state (include/pagedspec/attention.h, the same helpers as the CUDA
+// kernels), then the V rows are decoded and accumulated with the weights. Positions a row may not
+// see (past its causal limit, or past seq_len) are never read: the loops stop at each row's limit,
+// so NaN or garbage in unused slots cannot reach the output. The next tile's K rows and this
+// tile's V rows are prefetched while scoring (the rows are scattered by the block table, so the
+// hardware prefetchers cannot run ahead).
 //
 // v1: one task per (sequence, KV head, row chunk) over the whole context.
 // v2: one task per (sequence, KV head, row chunk, partition of kPartitionSize positions) writing
@@ -25,6 +28,12 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+// GCC 12's AVX-512 intrinsics build their pass-through operand with _mm512_undefined_ps()
+// (`__m512 __Y = __Y;`), which -Wall reports as uninitialized at every inlined use.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #endif
 
 #include "attention_checks.h"
@@ -586,7 +595,7 @@ bool cpu_prefers_v2(int64_t v1_tasks, int64_t longest_context) {
 
 template <typename QT, typename CacheT, CacheFormat F>
 void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, Variant variant,
-             bool dispatch, const c10::optional<at::Tensor>& lse_opt, const at::Tensor& query) {
+             bool dispatch, const at::Tensor& query) {
   CpuPagedAttention<QT, CacheT, F> kernel(p);
   const int G = p.group_size();
 
@@ -680,7 +689,6 @@ void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, Var
     }
     kernel.mass_pass(p.lse, mass_tasks);
   }
-  (void)lse_opt;
 }
 
 void paged_attention_cpu_impl(const char* op, Variant variant, bool dispatch, at::Tensor& out,
@@ -728,7 +736,7 @@ void paged_attention_cpu_impl(const char* op, Variant variant, bool dispatch, at
       p.max_blocks_per_seq = static_cast<int>(args.max_blocks_per_seq);
       p.max_q_len = static_cast<int>(args.launch_max_q_len());
       p.max_partitions = 1;
-      run_cpu<scalar_t, cache_t, kCacheFormat>(p, args, variant, dispatch, lse, query);
+      run_cpu<scalar_t, cache_t, kCacheFormat>(p, args, variant, dispatch, query);
     });
   });
 }
