@@ -173,7 +173,7 @@ GRID = [
     # dtype, cache dtype, head size, block size, (heads, kv heads), q_lens, seq_lens
     (torch.float32, None, 64, 16, (8, 2), [1, 2, 5], [1, 16, 300]),
     (torch.float32, None, 128, 8, (8, 8), [1, 1, 1], [8, 9, 77]),
-    (torch.float32, None, 256, 32, (8, 1), [2, 5, 1], [33, 64, 5]),
+    (torch.bfloat16, None, 256, 32, (8, 1), [2, 5, 1], [33, 64, 5]),
     (torch.float16, None, 80, 16, (16, 2), [1, 5, 2], [17, 31, 600]),
     (torch.float16, None, 96, 64, (4, 1), [5, 1, 1], [64, 65, 130]),
     (torch.bfloat16, None, 112, 32, (32, 8), [1, 2, 1], [2, 95, 257]),
@@ -182,7 +182,7 @@ GRID = [
     (torch.float16, torch.float8_e4m3fn, 128, 16, (32, 8), [1, 5, 2], [1, 100, 700]),
     (torch.bfloat16, torch.float8_e4m3fn, 64, 32, (8, 1), [2, 1, 5], [40, 31, 96]),
     (torch.bfloat16, torch.float8_e5m2, 96, 8, (8, 2), [1, 2, 5], [11, 16, 333]),
-    (torch.float32, torch.float8_e5m2, 256, 64, (4, 4), [5, 1, 1], [130, 1, 64]),
+    (torch.float16, torch.float8_e5m2, 256, 64, (4, 4), [5, 1, 1], [130, 1, 64]),
     (torch.float16, torch.float8_e5m2, 112, 16, (16, 2), [1, 1, 5], [15, 16, 17]),
     (torch.float32, torch.float8_e4m3fn, 80, 8, (8, 1), [1, 2, 1], [9, 2, 150]),
 ]
@@ -301,7 +301,7 @@ def test_attn_mass_total_and_accumulation(gen, device, variant):
 def test_attn_mass_shared_prefix(gen, device):
     # Three sequences share their first two blocks (prefix caching): their mass adds up there.
     case = Case(gen, seq_lens=[40, 35, 64], q_lens=[1, 2, 1], num_heads=8, num_kv_heads=2,
-                head_size=64, block_size=16, dtype=torch.float32, device=device,
+                head_size=64, block_size=16, dtype=torch.float16, device=device,
                 shared_prefix_blocks=2)
     _, _, mass = case.run(ops.paged_attention, mass=True)
     _, _, want = case.expected(mass=True)
@@ -328,9 +328,9 @@ def test_strided_query_and_out(gen, device):
 def test_empty_query_ranges(gen, device):
     # A sequence with q_len 0 (nothing to compute) between two real ones; no tokens at all.
     case = Case(gen, seq_lens=[20, 33, 9], q_lens=[2, 0, 1], num_heads=4, num_kv_heads=4,
-                head_size=64, block_size=8, device=device)
+                head_size=64, block_size=8, dtype=torch.float16, device=device)
     check_case(case, ops.paged_attention, mass=True)
-    empty = Case(gen, seq_lens=[5], q_lens=[0], head_size=64, device=device)
+    empty = Case(gen, seq_lens=[5], q_lens=[0], head_size=64, dtype=torch.float16, device=device)
     out, _, mass = empty.run(ops.paged_attention_v2, mass=True)
     assert out.numel() == 0 and (mass == 0).all()
 
@@ -339,12 +339,12 @@ def test_empty_query_ranges(gen, device):
 def test_inf_and_nan_in_unused_slots(gen, device):
     # Beyond NaN, +-inf and huge values in unused slots must not leak either.
     case = Case(gen, seq_lens=[3, 21], q_lens=[1, 2], num_heads=4, num_kv_heads=1,
-                head_size=64, block_size=16, dtype=torch.float32, device=device)
+                head_size=64, block_size=16, dtype=torch.float16, device=device)
     for cache in (case.key_cache, case.value_cache):
         flat = cache.view(-1, 1, 64)
         bad = torch.isnan(flat)
-        flat[bad] = torch.tensor([float("inf"), float("-inf"), 3e38], device=device).repeat(
-            bad.sum().item() // 3 + 1)[: bad.sum().item()]
+        flat[bad] = torch.tensor([float("inf"), float("-inf"), 6e4], dtype=flat.dtype,
+                                 device=device).repeat(bad.sum().item() // 3 + 1)[: bad.sum().item()]
     check_case(case, ops.paged_attention_v2, mass=True)
 
 
