@@ -1,11 +1,13 @@
 // CPU kernels for rejection_sample and greedy_verify. The inverse-CDF draw follows the summation
 // order fixed in include/pagedspec/sampling.h to the bit, so the CPU and CUDA kernels emit the same
-// tokens for the same inputs.
+// tokens for the same inputs. Requests run in parallel; a request reads its probability row once
+// (plus one 128-weight tile again where the CDF crosses u).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "pagedspec/sampling.h"
 #include "sampling_checks.h"
@@ -13,74 +15,95 @@
 namespace pagedspec {
 namespace {
 
-// Spans summed side by side: each span is still its own chain in index order (as span_total), and
-// independent chains keep several adders busy instead of waiting on one.
-constexpr int kLockstepSpans = 8;
-
-// totals[j] = span_total of span j, for all kSampleSpans spans.
+// w[0..kSampleTile) = the weights of tile `tile` (0 past the vocabulary).
 template <bool kDraftRow>
-void span_totals(const WeightRow& row, int64_t span, float* totals) {
-  const int64_t vocab = row.vocab;
-  const int64_t full_spans = std::min<int64_t>(vocab / span, kSampleSpans);
-  int j = 0;
-  for (; j + kLockstepSpans <= full_spans; j += kLockstepSpans) {
-    const float* target = row.target + j * span;
-    const float* draft = kDraftRow ? row.draft + j * span : nullptr;
-    float acc[kLockstepSpans] = {};
-    for (int64_t s = 0; s < span; ++s) {
-      for (int l = 0; l < kLockstepSpans; ++l) {
-        const float q = kDraftRow ? draft[l * span + s] : 0.f;
-        acc[l] = acc[l] + residual_weight(target[l * span + s], q);
-      }
-    }
-    std::copy(acc, acc + kLockstepSpans, totals + j);
+void load_tile_weights(const WeightRow& row, int64_t tile, float* w) {
+  const int64_t begin = tile * kSampleTile;
+  const int n = static_cast<int>(std::min<int64_t>(kSampleTile, row.vocab - begin));
+  const float* target = row.target + begin;
+  if constexpr (kDraftRow) {
+    const float* draft = row.draft + begin;
+    for (int i = 0; i < n; ++i) w[i] = residual_weight(target[i], draft[i]);
+  } else {
+    for (int i = 0; i < n; ++i) w[i] = residual_weight(target[i], 0.f);
+    const int64_t hot = row.one_hot - begin;  // a one-hot draft: q = 1 at the drafted token
+    if (hot >= 0 && hot < n) w[hot] = residual_weight(target[hot], 1.f);
   }
-  for (; j < kSampleSpans; ++j) {
-    const int64_t begin = std::min<int64_t>(j * span, vocab);
-    totals[j] = span_total(row, begin, std::min<int64_t>(begin + span, vocab));
-  }
-  // The lockstep loop read a one-hot draft as q = 0: redo the one span holding the drafted token.
-  if (!kDraftRow && row.one_hot >= 0 && row.one_hot < vocab) {
-    const int64_t j1 = row.one_hot / span;
-    totals[j1] = span_total(row, j1 * span, std::min<int64_t>((j1 + 1) * span, vocab));
-  }
+  std::fill(w + n, w + kSampleTile, 0.f);
 }
 
-// Inverse CDF of the row's weights with uniform u, in the order of sampling.h. Returns -1 when no
-// weight is positive (the caller falls back to the target row).
-int64_t inverse_cdf(const WeightRow& row, float u) {
-  const int64_t span = sample_span_size(row.vocab);
-  float totals[kSampleSpans], incl[kSampleSpans];
-  if (row.draft != nullptr) {
-    span_totals<true>(row, span, totals);
-  } else {
-    span_totals<false>(row, span, totals);
+// The first t of tile `tile` with w[t] > 0 and tile_excl + (its prefix in the tile) > threshold,
+// or -1.
+template <bool kDraftRow>
+int64_t first_crossing_in_tile(const WeightRow& row, int64_t tile, float tile_excl,
+                               float threshold) {
+  alignas(64) float w[kSampleTile];
+  alignas(64) float prefix[kSampleTile];
+  load_tile_weights<kDraftRow>(row, tile, w);
+  std::copy(w, w + kSampleTile, prefix);
+  tile_prefixes(prefix);
+  for (int c = 0; c < kSampleTile; ++c) {
+    if (w[c] > 0.f && tile_excl + prefix[c] > threshold) return tile * kSampleTile + c;
   }
-  std::copy(totals, totals + kSampleSpans, incl);
-  scan_span_totals(incl);
-  const float total = incl[kSampleSpans - 1];
-  if (!(total > 0.f)) return -1;
-  const float threshold = u * total;
-  for (int j = 0; j < kSampleSpans; ++j) {
-    const float excl = j > 0 ? incl[j - 1] : 0.f;
-    if (excl + totals[j] > threshold) {
-      const int64_t begin = j * span;
-      float acc = 0.f;
-      const int64_t t =
-          span_crossing(row, begin, std::min<int64_t>(begin + span, row.vocab), excl, threshold,
-                        &acc);
-      if (t >= 0) return t;
-      break;  // cannot happen (the span's last positive weight crosses); clamp below
-    }
-  }
-  // u * total rounded up to the largest prefix: the last positive-weight token.
+  return -1;
+}
+
+// The last token with a positive weight, or -1.
+int64_t last_positive_weight(const WeightRow& row) {
   for (int64_t t = row.vocab - 1; t >= 0; --t) {
     if (row.weight(t) > 0.f) return t;
   }
   return -1;
 }
 
-void rejection_sample_request(const RejectionSampleParams& p, int64_t b) {
+// Inverse CDF of the row's weights with uniform u, in the order of sampling.h (the same tiles and
+// runs as the CUDA block). `tile_totals` is scratch. Returns -1 when no weight is positive.
+template <bool kDraftRow>
+int64_t inverse_cdf(const WeightRow& row, float u, std::vector<float>& tile_totals) {
+  const int64_t num_tiles = sample_num_tiles(row.vocab);
+  const int64_t run_length = sample_run_length(num_tiles);
+  tile_totals.resize(num_tiles);
+  alignas(64) float w[kSampleTile];
+  for (int64_t i = 0; i < num_tiles; ++i) {
+    load_tile_weights<kDraftRow>(row, i, w);
+    tile_totals[i] = tile_total(w);
+  }
+  float runs[kSampleRuns];
+  for (int j = 0; j < kSampleRuns; ++j) {
+    float partial = 0.f;
+    const int64_t end = std::min<int64_t>((j + 1) * run_length, num_tiles);
+    for (int64_t i = j * run_length; i < end; ++i) partial = partial + tile_totals[i];
+    runs[j] = partial;
+  }
+  scan_run_totals(runs);
+  const float total = runs[kSampleRuns - 1];
+  if (!(total > 0.f)) return -1;
+  const float threshold = u * total;
+  for (int j = 0; j < kSampleRuns; ++j) {
+    const float runs_before = j > 0 ? runs[j - 1] : 0.f;
+    float partial = 0.f;
+    const int64_t end = std::min<int64_t>((j + 1) * run_length, num_tiles);
+    for (int64_t i = j * run_length; i < end; ++i) {
+      const float tile_excl = runs_before + partial;
+      if (tile_excl + tile_totals[i] > threshold) {
+        // The first tile whose largest prefix crosses holds the token.
+        const int64_t t = first_crossing_in_tile<kDraftRow>(row, i, tile_excl, threshold);
+        return t >= 0 ? t : last_positive_weight(row);  // always t >= 0, see sampling.h
+      }
+      partial = partial + tile_totals[i];
+    }
+  }
+  // u * total rounded up to the largest prefix.
+  return last_positive_weight(row);
+}
+
+int64_t sample_row(const WeightRow& row, float u, std::vector<float>& tile_totals) {
+  return row.draft != nullptr ? inverse_cdf<true>(row, u, tile_totals)
+                              : inverse_cdf<false>(row, u, tile_totals);
+}
+
+void rejection_sample_request(const RejectionSampleParams& p, int64_t b,
+                              std::vector<float>& scratch) {
   const int64_t k = p.k, vocab = p.vocab;
   const int64_t k_b =
       p.num_draft_tokens != nullptr ? clamp_draft_count(p.num_draft_tokens[b], k) : k;
@@ -105,10 +128,10 @@ void rejection_sample_request(const RejectionSampleParams& p, int64_t b) {
                              p.draft_probs != nullptr ? p.draft_probs + (b * k + first) * vocab
                                                       : nullptr,
                              p.draft_probs != nullptr ? -1 : ids[first], vocab};
-    token = inverse_cdf(residual, u);
+    token = sample_row(residual, u, scratch);
   }
   if (token < 0) {  // bonus token, or a residual without mass: the target row itself
-    token = inverse_cdf(WeightRow{target_row, nullptr, -1, vocab}, u);
+    token = sample_row(WeightRow{target_row, nullptr, -1, vocab}, u, scratch);
     if (token < 0) token = 0;  // not a distribution at all; stay inside the vocabulary
   }
   int64_t* out = p.output_token_ids + b * (k + 1);
@@ -146,7 +169,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(
   // A request reads about one probability row; small vocabularies batch many requests per task.
   const int64_t grain = std::max<int64_t>(1, 32768 / (args.vocab + 64));
   at::parallel_for(0, args.batch, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) rejection_sample_request(p, b);
+    std::vector<float> scratch;  // tile totals of the row being sampled
+    for (int64_t b = begin; b < end; ++b) rejection_sample_request(p, b, scratch);
   });
   return {output_token_ids, num_accepted};
 }

@@ -3,26 +3,30 @@
 //
 // Inverse CDF of weights w[0..V) with a uniform u in [0, 1): the smallest t with w[t] > 0 and
 // prefix(t) > u * total. Float32 prefix sums depend on the order of the additions, so the order is
-// fixed here, and the CPU kernel and the CUDA kernel follow it to the bit (same tokens for the
-// same inputs); the pure-PyTorch reference sums in float64 instead, and differs only when u * total
-// lands within float32 rounding of a CDF boundary.
+// fixed here and both kernels follow it to the bit (the CPU and CUDA kernels emit the same tokens
+// for the same inputs); the pure-PyTorch reference sums in float64 instead and may differ only
+// where u * total lands within float32 rounding of a CDF boundary.
 //
-// The order ("spans"): the row is cut into kSampleSpans contiguous spans of sample_span_size(V)
-// elements (trailing spans may be short or empty). In a span, weights are added one by one from
-// 0.0f in index order (span_total). The span totals are scanned by scan_span_totals, whose
-// association mirrors a 512-thread CUDA block: an inclusive Kogge-Stone scan inside each group of 32
-// spans (one warp), a Kogge-Stone scan of the 16 group totals, then each group adds the scanned
-// total of the groups before it. With incl[j] the scanned value of span j and excl[j] = incl[j-1]
-// (0 for j = 0):
-//   total     = incl[kSampleSpans - 1]
-//   threshold = u * total
-//   prefix(t) = excl[j] + (w[begin_j] + ... + w[t]) (the span's running sum, then one addition)
-// Within a span prefix(t) never decreases, and its value at the span's last positive weight is
-// excl[j] + span_total[j]; so the token lies in the first span j with excl[j] + span_total[j] >
-// threshold, and only that span is read a second time. If no span qualifies (u * total rounded up
-// to the largest prefix), the last positive-weight token is taken: a zero-weight token or one past
-// the vocabulary is never returned. A row without any positive weight returns token 0 (only
-// possible for a target row that is not a distribution).
+// The order is shaped by the CUDA kernel (one 512-thread block per row, coalesced 16-byte loads):
+//  1. Tiles. The row is cut into tiles of kSampleTile = 128 weights (a warp's 32 lanes x 4; past V
+//     the weights are 0). Inside a tile the prefix sums are a Sklansky scan: the prefix of an
+//     element in the right half of an aligned block of 2^(s+1) elements is (total of the left half)
+//     + (its prefix inside the right half), and a block's total is left total + right total (a
+//     pairwise sum). See tile_prefixes; the CUDA kernel computes the same with warp shuffles.
+//  2. Runs. Tile totals T[i] are grouped in kSampleRuns runs of run_length(num_tiles) consecutive
+//     tiles, summed from 0.0f in order inside a run; the run totals are scanned by
+//     scan_run_totals (the association of a warp Kogge-Stone scan inside each group of 32 runs, a
+//     Kogge-Stone scan of the 16 group totals, then one addition per run). With X[j] the scanned
+//     total of the runs before run j (0 for j = 0), the tile's exclusive prefix is
+//        E[i] = X[j] + (T[first tile of run j] + ... + T[i - 1]), summed from 0.0f.
+//  3. total = scanned total of all runs, threshold = u * total, and for t in tile i
+//        prefix(t) = E[i] + (Sklansky prefix of t inside the tile).
+// Inside a tile prefix(t) never decreases (a Sklansky scan of non-negative numbers is monotone),
+// and its value at the tile's last positive weight is E[i] + T[i]. So the token lies in the first
+// tile with E[i] + T[i] > threshold, and that tile is the only part of the row read twice. If no
+// tile qualifies (u * total rounded up to the largest prefix), the last positive-weight token is
+// taken: neither a zero-weight token nor one past the vocabulary is ever returned. A row without
+// any positive weight gives -1 here (the callers fall back to the target row, then to token 0).
 //
 // Weights are residual_weight(p, q) = max(p - q, 0) with NaN read as 0; the bonus draw and the
 // zero-residual fallback use q = 0 (w = p), a one-hot draft uses q = 1 at the drafted token.
@@ -34,21 +38,22 @@
 
 namespace pagedspec {
 
-// Spans per row, which is also the CUDA kernel's threads per block (one span per thread).
-constexpr int kSampleSpans = 512;
-constexpr int kSampleWarpSpans = 32;                             // spans per Kogge-Stone group
-constexpr int kSampleGroups = kSampleSpans / kSampleWarpSpans;   // 16
-// A span's length is a multiple of this, so each CUDA thread reads whole 64-byte pieces.
-constexpr int kSampleSpanQuantum = 16;
+constexpr int kSampleTile = 128;       // weights per tile: 32 lanes x 4 (one float4 each)
+constexpr int kSampleRuns = 512;       // runs of tiles, one per CUDA thread
+constexpr int kSampleRunsPerGroup = 32;                              // runs per Kogge-Stone group
+constexpr int kSampleGroups = kSampleRuns / kSampleRunsPerGroup;     // 16
 
-// Elements per span for a vocabulary of `vocab` tokens.
-PS_HOST_DEVICE int64_t sample_span_size(int64_t vocab) {
-  const int64_t per_span = (vocab + kSampleSpans - 1) / kSampleSpans;
-  return (per_span + kSampleSpanQuantum - 1) / kSampleSpanQuantum * kSampleSpanQuantum;
+PS_HOST_DEVICE int64_t sample_num_tiles(int64_t vocab) {
+  return (vocab + kSampleTile - 1) / kSampleTile;
 }
 
-// Draft token x (draft probability q, target probability p) is accepted iff u * q < p. With
-// q = 1 for a deterministic draft. Accepts with probability min(1, p / q); a p of NaN rejects.
+// Consecutive tiles per run.
+PS_HOST_DEVICE int64_t sample_run_length(int64_t num_tiles) {
+  return (num_tiles + kSampleRuns - 1) / kSampleRuns;
+}
+
+// Draft token x (draft probability q, target probability p) is accepted iff u * q < p, with
+// q = 1 for a deterministic draft: probability min(1, p / q). A NaN p rejects.
 PS_HOST_DEVICE bool accept_draft(float u, float p, float q) { return u * q < p; }
 
 // max(p - q, 0), with NaN (from a NaN p or q) as 0 so that a bad row cannot poison the sums.
@@ -71,52 +76,47 @@ struct WeightRow {
   }
 };
 
-// Sum of w[begin..end), added in index order from 0.0f. `Row` is anything with weight(t): a
-// WeightRow, or a staged copy of a span's weights.
-template <typename Row>
-PS_HOST_DEVICE float span_total(const Row& row, int64_t begin, int64_t end) {
-  float acc = 0.f;
-  for (int64_t t = begin; t < end; ++t) acc = acc + row.weight(t);
-  return acc;
-}
-
-// The first t in [begin, end) with w[t] > 0 and excl + (*acc + w[begin] + ... + w[t]) > threshold,
-// or -1. *acc is the span's running sum before `begin` (0 at the span's start) and is advanced, so
-// a span can be walked in pieces.
-template <typename Row>
-PS_HOST_DEVICE int64_t span_crossing(const Row& row, int64_t begin, int64_t end, float excl,
-                                     float threshold, float* acc) {
-  float running = *acc;
-  for (int64_t t = begin; t < end; ++t) {
-    const float w = row.weight(t);
-    running = running + w;
-    if (w > 0.f && excl + running > threshold) {
-      *acc = running;
-      return t;
+// In place: w[kSampleTile] -> its Sklansky inclusive prefix sums (step 1 above); w[127] ends as
+// the tile's pairwise total.
+PS_HOST_DEVICE void tile_prefixes(float* w) {
+  for (int half = 1; half < kSampleTile; half *= 2) {
+    for (int block = 0; block < kSampleTile; block += 2 * half) {
+      const float left_total = w[block + half - 1];
+      for (int i = block + half; i < block + 2 * half; ++i) w[i] = left_total + w[i];
     }
   }
-  *acc = running;
-  return -1;
 }
 
-// In place: totals[kSampleSpans] -> inclusive scan, in the association the CUDA block uses
-// (warp Kogge-Stone, Kogge-Stone over the warp totals, then one addition per span).
-inline void scan_span_totals(float* x) {
+// The tile's pairwise total (the last value tile_prefixes would produce), without the prefixes.
+PS_HOST_DEVICE float tile_total(const float* w) {
+  float level[kSampleTile / 2];
+  for (int i = 0; i < kSampleTile / 2; ++i) level[i] = w[2 * i] + w[2 * i + 1];
+  for (int n = kSampleTile / 4; n >= 1; n /= 2) {
+    for (int i = 0; i < n; ++i) level[i] = level[2 * i] + level[2 * i + 1];
+  }
+  return level[0];
+}
+
+// In place: totals[kSampleRuns] -> inclusive scan, in the association the CUDA block uses
+// (warp Kogge-Stone, Kogge-Stone over the 16 warp totals, then one addition per run).
+PS_HOST_DEVICE void scan_run_totals(float* x) {
   for (int g = 0; g < kSampleGroups; ++g) {
-    float* v = x + g * kSampleWarpSpans;
+    float* v = x + g * kSampleRunsPerGroup;
     // Descending i updates every element from the previous step's values, as the shuffles do.
-    for (int off = 1; off < kSampleWarpSpans; off *= 2) {
-      for (int i = kSampleWarpSpans - 1; i >= off; --i) v[i] = v[i - off] + v[i];
+    for (int off = 1; off < kSampleRunsPerGroup; off *= 2) {
+      for (int i = kSampleRunsPerGroup - 1; i >= off; --i) v[i] = v[i - off] + v[i];
     }
   }
   float group[kSampleGroups];
-  for (int g = 0; g < kSampleGroups; ++g) group[g] = x[g * kSampleWarpSpans + kSampleWarpSpans - 1];
+  for (int g = 0; g < kSampleGroups; ++g) {
+    group[g] = x[g * kSampleRunsPerGroup + kSampleRunsPerGroup - 1];
+  }
   for (int off = 1; off < kSampleGroups; off *= 2) {
     for (int i = kSampleGroups - 1; i >= off; --i) group[i] = group[i - off] + group[i];
   }
   for (int g = 1; g < kSampleGroups; ++g) {
-    for (int i = 0; i < kSampleWarpSpans; ++i) {
-      x[g * kSampleWarpSpans + i] = group[g - 1] + x[g * kSampleWarpSpans + i];
+    for (int i = 0; i < kSampleRunsPerGroup; ++i) {
+      x[g * kSampleRunsPerGroup + i] = group[g - 1] + x[g * kSampleRunsPerGroup + i];
     }
   }
 }
