@@ -68,6 +68,13 @@ int64_t inverse_cdf(const WeightRow& row, float u, std::vector<float>& tile_tota
     load_tile_weights<kDraftRow>(row, i, w);
     tile_totals[i] = tile_total(w);
   }
+  if (num_tiles == 1) {
+    // One tile, one non-empty run: the scan adds only exact zeros, so total = T[0] and E[0] = 0.
+    const float total = tile_totals[0];
+    if (!(total > 0.f)) return -1;
+    const int64_t t = first_crossing_in_tile<kDraftRow>(row, 0, 0.f, u * total);
+    return t >= 0 ? t : last_positive_weight(row);
+  }
   float runs[kSampleRuns];
   for (int j = 0; j < kSampleRuns; ++j) {
     float partial = 0.f;

@@ -102,6 +102,9 @@ PS_HOST_DEVICE float tile_total(const float* w) {
 PS_HOST_DEVICE void scan_run_totals(float* x) {
   for (int g = 0; g < kSampleGroups; ++g) {
     float* v = x + g * kSampleRunsPerGroup;
+    bool all_zero = true;  // short rows leave most runs empty; their scan is all zeros anyway
+    for (int i = 0; i < kSampleRunsPerGroup; ++i) all_zero = all_zero && v[i] == 0.f;
+    if (all_zero) continue;
     // Descending i updates every element from the previous step's values, as the shuffles do.
     for (int off = 1; off < kSampleRunsPerGroup; off *= 2) {
       for (int i = kSampleRunsPerGroup - 1; i >= off; --i) v[i] = v[i - off] + v[i];

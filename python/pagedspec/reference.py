@@ -165,11 +165,14 @@ def rejection_sample(draft_token_ids, draft_probs, target_probs, uniform_accept,
     counts = _draft_counts(draft_token_ids, num_draft_tokens)
 
     # The acceptance test at every drafted position; only those before the first rejection count.
-    ids = draft_token_ids.unsqueeze(-1)
+    # Ids past num_draft_tokens are never read (they may be padding such as -1).
+    positions = torch.arange(k, device=device)
+    drafted = positions < counts[:, None]
+    safe_ids = torch.where(drafted, draft_token_ids, 0)
+    ids = safe_ids.unsqueeze(-1)
     p = target_probs[:, :k].gather(-1, ids).squeeze(-1)
     q = draft_probs.gather(-1, ids).squeeze(-1) if draft_probs is not None else torch.ones_like(p)
-    positions = torch.arange(k, device=device)
-    rejected = ~(uniform_accept * q < p) & (positions < counts[:, None])
+    rejected = ~(uniform_accept * q < p) & drafted
     first_rejection = torch.where(rejected, positions, k).min(dim=-1).values if k else counts
     num_accepted = torch.minimum(first_rejection, counts)
     was_rejected = num_accepted < counts
@@ -182,8 +185,8 @@ def rejection_sample(draft_token_ids, draft_probs, target_probs, uniform_accept,
         if draft_probs is not None:
             draft_row = draft_probs[rows, draft_position]
         else:
-            drafted = draft_token_ids[rows, draft_position]
-            draft_row = torch.nn.functional.one_hot(drafted, vocab).to(target_row.dtype)
+            one_hot_token = safe_ids[rows, draft_position]
+            draft_row = torch.nn.functional.one_hot(one_hot_token, vocab).to(target_row.dtype)
         residual = _positive_part(target_row - draft_row)
         use_residual = was_rejected & (residual > 0).any(dim=-1)
         weights = torch.where(use_residual[:, None], residual, weights)
