@@ -318,7 +318,8 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 template <typename Kernel>
 void set_dynamic_smem(Kernel kernel, size_t bytes, int64_t vocab, int device) {
-  if (bytes <= 48 * 1024) return;
+  // The default limit of 48 KiB per block counts the static SampleShared too.
+  if (bytes + sizeof(SampleShared) <= 48 * 1024) return;
   int max_bytes = 0;
   C10_CUDA_CHECK(
       cudaDeviceGetAttribute(&max_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
