@@ -149,8 +149,11 @@ class BlockOps:
     copies: torch.Tensor
 
 
+_NO_MOVES = torch.zeros((0, 2), dtype=torch.int64)
+
+
 def _mapping(pairs: list[tuple[int, int]]) -> torch.Tensor:
-    return torch.tensor(pairs, dtype=torch.int64).view(-1, 2)
+    return torch.tensor(pairs, dtype=torch.int64).view(-1, 2) if pairs else _NO_MOVES
 
 
 class BlockManager:
@@ -354,29 +357,30 @@ class BlockManager:
             raise ValueError(f"BlockManager.append_slots: sequence {seq_id} is swapped out")
         if num_tokens <= 0:
             return num_tokens == 0
+        bs = self.block_size
         total = table.num_tokens + num_tokens
-        needed = cdiv(total, self.block_size) - len(table.blocks)
-        partial = table.num_tokens % self.block_size != 0
-        last = table.blocks[-1] if partial else -1
-        cow = partial and self.ref_counts[last] > 1
-        if needed + cow > self.num_free_blocks:
-            return False
-        start = len(table.blocks) - cow
-        if cow:
-            if last in self._written:
-                raise RuntimeError(f"BlockManager: block {last} of sequence {seq_id} is written "
-                                   "by this step's moves; call end_step() before writing it")
-            copy = self._take()
-            self.ref_counts[last] -= 1
-            table.blocks[-1] = copy
-            self._copies.append((last, copy))
-            self._touched.update((last, copy))
-            self._written.add(copy)
-        elif partial and self.block_hash[last] is not None:
+        needed = -(-total // bs) - len(table.blocks)
+        last = table.blocks[-1] if table.num_tokens % bs else -1  # partly filled last block
+        cow = last >= 0 and self.ref_counts[last] > 1
+        if needed > 0 or cow:
+            if needed + cow > self.num_free_blocks:
+                return False
+            start = len(table.blocks) - cow
+            if cow:
+                if last in self._written:
+                    raise RuntimeError(f"BlockManager: block {last} of sequence {seq_id} is "
+                                       "written by this step's moves; call end_step() first")
+                copy = self._take()
+                self.ref_counts[last] -= 1
+                table.blocks[-1] = copy
+                self._copies.append((last, copy))
+                self._touched.update((last, copy))
+                self._written.add(copy)
+            table.blocks.extend(self._take() for _ in range(needed))
+            self._write_row(table, start)
+        if last >= 0 and not cow and self.block_hash[last] is not None:
             self._unregister(last)  # sole holder after a truncation: its content is changing
-        table.blocks.extend(self._take() for _ in range(needed))
         table.num_tokens = total
-        self._write_row(table, start)
         return True
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:

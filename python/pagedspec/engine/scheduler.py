@@ -134,21 +134,29 @@ class Scheduler:
         preempted: list[Sequence] = []
         running = self.running
         # Tokens the decodes still to be visited need; prefill chunks leave them room.
-        reserve = sum(1 + len(s.draft_token_ids) for s in running if s.is_decoding)
+        reserve = 0
+        for seq in running:
+            if seq.num_computed_tokens + 1 == len(seq.token_ids):  # decoding
+                if seq.draft_token_ids:  # never draft past max_tokens
+                    del seq.draft_token_ids[seq.num_prompt_tokens + seq.max_tokens
+                                            - len(seq.token_ids) - 1:]
+                reserve += 1 + len(seq.draft_token_ids)
+        append_slots = bm.append_slots
         i = 0
         while i < len(running):
             seq = running[i]
-            if seq.is_decoding:
-                num = 1 + len(seq.draft_token_ids)
+            num = len(seq.token_ids) - seq.num_computed_tokens
+            if num == 1:                                 # decoding
+                num += len(seq.draft_token_ids)
                 reserve -= num
                 if num > budget:
                     num = 0
             else:
-                num = min(len(seq.token_ids) - seq.num_computed_tokens, budget - reserve)
+                num = min(num, budget - reserve)
             if num <= 0:
                 i += 1
                 continue
-            while not bm.append_slots(seq.seq_id, num):
+            while not append_slots(seq.seq_id, num):
                 victim = running.pop()           # the newest; never one scheduled already
                 if victim is not seq and victim.is_decoding:
                     reserve -= 1 + len(victim.draft_token_ids)
@@ -209,19 +217,20 @@ class Scheduler:
     def _build(self, scheduled: list[tuple[Sequence, int]], block_ops: BlockOps,
                preempted: list[Sequence]) -> StepBatch:
         """The kernels' inputs, from per-sequence scalars with a few vectorized numpy calls."""
-        bm, n = self.block_manager, len(scheduled)
-        seqs = [s for s, _ in scheduled]
-        q_lens = np.fromiter((q for _, q in scheduled), np.int64, n)
-        starts = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, n)
-        ends = np.fromiter((len(s.token_ids) for s in seqs), np.int64, n)
-        rows = np.fromiter((bm.tables[s.seq_id].row for s in seqs), np.int64, n)
-        input_ids: list[int] = []
+        bm, n, tables = self.block_manager, len(scheduled), self.block_manager.tables
+        seqs, input_ids, per_seq = [], [], []
         for seq, q in scheduled:
-            c = seq.num_computed_tokens
-            chunk = seq.token_ids[c:c + q]
-            input_ids += chunk
-            if len(chunk) < q:
-                input_ids += seq.draft_token_ids[:q - len(chunk)]
+            c, tokens = seq.num_computed_tokens, seq.token_ids
+            seqs.append(seq)
+            per_seq += (q, c, len(tokens), tables[seq.seq_id].row)
+            if q == 1:
+                input_ids.append(tokens[c])
+            else:
+                chunk = tokens[c:c + q]
+                input_ids += chunk
+                if len(chunk) < q:
+                    input_ids += seq.draft_token_ids[:q - len(chunk)]
+        q_lens, starts, ends, rows = np.array(per_seq, np.int64).reshape(n, 4).T
         cu = np.zeros(n + 1, np.int64)
         np.cumsum(q_lens, out=cu[1:])
         seq_lens = starts + q_lens
@@ -254,20 +263,25 @@ class Scheduler:
         does not reach the end of the prompt, one for a decode, and for a sequence that verified
         k draft tokens, the accepted drafts followed by the corrected or bonus token.
         """
-        bm = self.block_manager
+        bm, bs = self.block_manager, self.block_manager.block_size
         finished = []
         for seq, num, drafts, new in zip(batch.seqs, batch.num_scheduled_tokens,
                                          batch.num_draft_tokens, sampled):
-            rejected = drafts - (len(new) - 1) if drafts else 0
-            seq.num_computed_tokens += num - rejected
+            old = seq.num_computed_tokens
             if drafts:
                 seq.draft_token_ids = []
+                rejected = drafts + 1 - len(new)
                 if rejected:
                     bm.truncate(seq.seq_id, rejected)
+                    num -= rejected
+            seq.num_computed_tokens = old + num
             if new:
                 seq.token_ids += new
-                self._check_finished(seq, new)
-            bm.cache_blocks(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+                if (seq.eos_token_id is not None
+                        or len(seq.token_ids) >= seq.num_prompt_tokens + seq.max_tokens):
+                    self._check_finished(seq, new)
+            if (old + num) // bs != old // bs:        # a block filled up: cache it
+                bm.cache_blocks(seq.seq_id, seq.token_ids, old + num)
             if seq.finish_reason is not None:
                 bm.free(seq.seq_id)
                 seq.status = SequenceStatus.FINISHED
