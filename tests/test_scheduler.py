@@ -319,6 +319,13 @@ def test_empty_step():
     assert sched.update(batch, []) == []
 
 
+def test_serving_bench_runs():
+    from pagedspec.bench import serving
+    memory = serving.bench_memory(40, 0, num_blocks=256)
+    assert memory["kv_waste_paged"] < 0.1 < memory["kv_waste_static"]
+    assert serving.bench_overhead(8, 0, steps=3)["running"] == 8
+
+
 # ---- stateful ----------------------------------------------------------------------------------
 class SchedulerMachine(RuleBasedStateMachine):
     """Random arrivals, forks and drafts between real steps; at the end everything completes."""

@@ -9,7 +9,7 @@ named by a chained content hash and stay reusable after their sequence ends (pre
 (copies and swaps) that the manager asks for, through :mod:`pagedspec.ops`.
 
 A GPU block is always in exactly one state:
-  free      ref 0, no hash, in ``free``;
+  free      ref 0, no hash, in ``free_blocks``;
   cached    ref 0, hash registered, in the evictor (a prefix hit takes it back, eviction empties it);
   owned     ref >= 1: the number of block tables that hold it;
   deferred  ref 0, but read or written by this step's block moves: it returns to free or cached
@@ -54,33 +54,34 @@ def hash_block(parent: Optional[int], token_ids: Sequence[int], salt: bytes = b"
 
 
 class Evictor:
-    """Cached free blocks, evicted lowest priority first (GreedyDual-Frequency).
+    """Cached free blocks; eviction takes the least popular, least recently freed first.
 
-    A block entering the evictor gets priority ``L + weight * popularity``, where popularity is the
-    count-min sketch estimate of how often its content was requested (``cms_update`` on every
-    prompt lookup, ``cms_decay`` halves all counts every ``decay_period`` increments, so old fame
-    fades) and ``L`` is the priority of the last evicted block. ``L`` only grows, so a block freed
-    later starts higher: that is the recency half. ``weight=0`` (or ``policy="lru"``) leaves only
-    ``L`` and insertion order, which is exactly LRU. Heap with lazy deletion: O(log n) per
-    operation and one ``cms_query`` per batch of freed blocks.
+    Popularity is the count-min sketch's estimate of how often a block's content hash was asked
+    for (``cms_update`` on every prompt lookup, hits or not). Every ``decay_period`` increments
+    ``cms_decay`` halves all counts (TinyLFU aging) and a decay epoch passes, so a block's priority
+    ``log2(count) + epoch`` is its popularity in today's units: a count taken k epochs ago is worth
+    2^-k of one taken now, which is how recency enters beside frequency. Equal priorities leave in
+    the order they were freed (LRU); ``policy="lru"`` ignores popularity, which is plain LRU.
+    Heap with lazy deletion: O(log n) per operation, one ``cms_query`` per batch of freed blocks.
     """
 
-    def __init__(self, policy: str = "popularity", num_blocks: int = 1024, weight: float = 1.0,
-                 sketch_depth: int = 4, sketch_width: Optional[int] = None,
-                 decay_period: Optional[int] = None):
+    def __init__(self, policy: str = "popularity", num_blocks: int = 1024, sketch_depth: int = 4,
+                 sketch_width: Optional[int] = None, decay_period: Optional[int] = None):
         if policy not in ("popularity", "lru"):
             raise ValueError(f"Evictor: policy must be 'popularity' or 'lru', got {policy!r}")
         self.sketch: Optional[torch.Tensor] = None
         if policy == "popularity":
             width = sketch_width or 1 << max(8, (4 * num_blocks - 1).bit_length())
             self.sketch = torch.zeros(sketch_depth, width, dtype=torch.int32)
-        self.weight = weight
-        self.decay_period = decay_period or 10 * num_blocks  # TinyLFU's sample size W = 10 C
+        # Counts live about 2 pool-fulls of lookups: long enough to rank skewed prefix traffic,
+        # short enough that chat histories (recent reuse) are not outranked by stale heads.
+        # Longer memory favours skewed workloads more, recency-driven ones less (bench/NOTES.md).
+        self.decay_period = decay_period or 2 * num_blocks
         self._since_decay = 0
+        self._epoch = 0
         self._heap: list[tuple[float, int, int]] = []  # (priority, push counter, block)
         self._live: dict[int, int] = {}                # block -> push counter of its live entry
         self._counter = 0
-        self._inflation = 0.0                          # L
 
     def __len__(self) -> int:
         return len(self._live)
@@ -97,17 +98,18 @@ class Evictor:
         if self._since_decay >= self.decay_period:
             ops.cms_decay(self.sketch, 1)
             self._since_decay = 0
+            self._epoch += 1
 
     def push(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
         """Make blocks evictable; earlier blocks in the list are evicted first on equal priority."""
         if not blocks:
             return
-        base = self._inflation
-        if self.sketch is not None and self.weight:
-            popularity = ops.cms_query(self.sketch, torch.tensor(hashes, dtype=torch.int64))
-            priorities = (popularity.double() * self.weight + base).tolist()
+        if self.sketch is not None:
+            counts = ops.cms_query(self.sketch, torch.tensor(hashes, dtype=torch.int64))
+            # Content never looked up (generated output) counts as asked for once.
+            priorities = (counts.double().clamp_(min=1).log2_() + self._epoch).tolist()
         else:
-            priorities = [base] * len(blocks)
+            priorities = [0.0] * len(blocks)
         for block, priority in zip(blocks, priorities):
             self._counter += 1
             self._live[block] = self._counter
@@ -126,7 +128,6 @@ class Evictor:
             priority, counter, block = heapq.heappop(self._heap)
             if self._live.get(block) == counter:
                 del self._live[block]
-                self._inflation = priority
                 return block
 
 
