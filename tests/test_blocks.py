@@ -43,7 +43,8 @@ def _cms_query(sketch, keys):
 
 
 def _cms_update(sketch, keys, increments=None, conservative=False):
-    inc = np.ones(len(keys), np.int64) if increments is None else increments.numpy().astype(np.int64)
+    inc = (np.ones(len(keys), np.int64) if increments is None
+           else increments.numpy().astype(np.int64))
     uniq, inverse = np.unique(keys.numpy(), return_inverse=True)
     total = np.zeros(len(uniq), np.int64)
     np.add.at(total, inverse, inc)
@@ -383,7 +384,8 @@ def test_evictor_compacts_stale_entries():
 
 def test_fp8_pool_and_sizing():
     kv = KVCache(2, 4, BS, 2, HEAD, torch.float8_e4m3fn, "cpu", 2)
-    assert kv.key_caches[0].shape == (4, BS, 2, HEAD) and kv.key_caches[0].dtype == torch.float8_e4m3fn
+    assert kv.key_caches[0].shape == (4, BS, 2, HEAD)
+    assert kv.key_caches[0].dtype == torch.float8_e4m3fn
     assert KVCache.bytes_per_block(2, BS, 2, HEAD, torch.float8_e4m3fn) == 2 * 2 * BS * 2 * HEAD
     bm = BlockManager(4, BS, 2)
     bm.allocate(0, list(range(BS + 1)))

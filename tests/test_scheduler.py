@@ -132,9 +132,9 @@ def check_scheduler(sched):
     for seq in sched.running:
         assert seq.status is SequenceStatus.RUNNING
         assert bm.num_tokens(seq.seq_id) == seq.num_computed_tokens < len(seq.token_ids) + 1
-    for _, seq in sched.swapped:
+    for seq in sched.swapped:
         assert seq.status is SequenceStatus.SWAPPED and bm.tables[seq.seq_id].on_cpu
-    for _, seq in sched.waiting:
+    for seq in sched.waiting:
         assert seq.status is SequenceStatus.WAITING and seq.seq_id not in bm.tables
     live = len(sched.running) + len(sched.waiting) + len(sched.swapped)
     assert live == len(bm.tables) + len(sched.waiting)
@@ -194,7 +194,7 @@ def test_newest_is_preempted_first_and_resumes_before_newer_requests():
     batch, _ = runner.step()                               # each decode needs a 3rd block
     assert batch.preempted == [seqs[2]]
     assert seqs[2].status is SequenceStatus.WAITING and seqs[2].num_computed_tokens == 0
-    assert [s for _, s in sorted(sched.waiting)] == [seqs[2], late]
+    assert sorted(sched.waiting) == [seqs[2], late]
     first_run = {}
 
     def on_step(batch):
@@ -243,7 +243,8 @@ def test_shared_prompt_prefix_is_served_from_the_cache():
     batch, _ = runner.step()
     assert second.num_cached_tokens == 3 * BS
     assert batch.num_scheduled_tokens == [2]                # only the new tokens are computed
-    assert sched.block_manager.tables[second.seq_id].blocks[:3] == batch.block_tables[0, :3].tolist()
+    table = sched.block_manager.tables[second.seq_id]
+    assert table.blocks[:3] == batch.block_tables[0, :3].tolist()
     runner.run()
     assert first.finish_reason == second.finish_reason == "length"
 

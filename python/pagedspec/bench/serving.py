@@ -168,7 +168,8 @@ def bench_prefix(scale: float, seed: int, num_blocks: int = 2048) -> dict:
                  "multi_turn_chat": chat_workload(int(400 * scale), seed)}
     policies = {"lru": {"eviction": "lru"},
                 "popularity": {"eviction": "popularity"},           # default decay period (2 C)
-                "popularity_long_memory": {"eviction": "popularity", "decay_period": 10 * num_blocks}}
+                "popularity_long_memory": {"eviction": "popularity",
+                                           "decay_period": 10 * num_blocks}}
     out = {"pool_blocks": num_blocks}
     for name, requests in workloads.items():
         out[name] = {"requests": len(requests)}
@@ -179,8 +180,8 @@ def bench_prefix(scale: float, seed: int, num_blocks: int = 2048) -> dict:
             bm = BlockManager(num_blocks, BLOCK_SIZE, **args)
             sched = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=4096), bm)
             stats = simulate(sched, requests)
-            out[name][policy] = {"block_hit_rate": bm.num_hit_blocks / max(1, bm.num_queried_blocks),
-                                 **stats}
+            hit_rate = bm.num_hit_blocks / max(1, bm.num_queried_blocks)
+            out[name][policy] = {"block_hit_rate": hit_rate, **stats}
     return out
 
 
@@ -230,7 +231,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     scale = 0.25 if args.quick else 1.0
     result = {
-        "env": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+        "env": {"cpu": platform.processor() or platform.machine(),
+                "python": platform.python_version(),
                 "torch": torch.__version__, "sketch_ops": sketch_available(),
                 "cost_model": {"step_s": STEP_S, "token_s": TOKEN_S}},
         "memory": bench_memory(int(2000 * scale), args.seed),

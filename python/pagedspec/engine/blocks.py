@@ -10,7 +10,8 @@ named by a chained content hash and stay reusable after their sequence ends (pre
 
 A GPU block is always in exactly one state:
   free      ref 0, no hash, in ``free_blocks``;
-  cached    ref 0, hash registered, in the evictor (a prefix hit takes it back, eviction empties it);
+  cached    ref 0, hash registered, in the evictor (a prefix hit takes it back; eviction
+            empties it);
   owned     ref >= 1: the number of block tables that hold it;
   deferred  ref 0, but read or written by this step's block moves: it returns to free or cached
             at :meth:`BlockManager.end_step`. This is why one step's moves never conflict: no
@@ -133,12 +134,18 @@ class Evictor:
 
 @dataclass
 class BlockTable:
-    """One sequence's blocks: token position p lives in ``blocks[p // block_size]``."""
+    """One sequence's blocks: token position p lives in ``blocks[p // block_size]``.
+
+    ``num_tokens`` counts the token slots in use (computed, or being computed this step);
+    ``hashes`` are the chained content hashes of its first full, verified blocks; ``row`` is its
+    row in ``BlockManager.table_matrix`` while on the GPU; ``on_cpu`` means it is swapped out and
+    ``blocks`` are CPU swap-space ids.
+    """
     blocks: list[int] = field(default_factory=list)
-    num_tokens: int = 0          # token slots in use (computed or being computed this step)
-    hashes: list[int] = field(default_factory=list)  # chained hashes of the first full, verified blocks
-    row: int = -1                # row in BlockManager.table_matrix while on the GPU
-    on_cpu: bool = False         # swapped out: blocks are CPU swap-space block ids
+    num_tokens: int = 0
+    hashes: list[int] = field(default_factory=list)
+    row: int = -1
+    on_cpu: bool = False
 
 
 @dataclass
@@ -172,7 +179,8 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, *,
                  enable_prefix_caching: bool = True, eviction: str = "popularity",
                  salt: bytes = b"", **evictor_args):
-        self.num_blocks, self.block_size, self.num_cpu_blocks = num_blocks, block_size, num_cpu_blocks
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_cpu_blocks = num_cpu_blocks
         self.enable_prefix_caching, self.salt = enable_prefix_caching, salt
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[Optional[int]] = [None] * num_blocks  # hash of a registered block
@@ -249,7 +257,8 @@ class BlockManager:
     def _set_row(self, table: BlockTable) -> None:
         if not self._free_rows:
             rows = self.table_matrix.shape[0]
-            self.table_matrix = np.concatenate([self.table_matrix, np.zeros_like(self.table_matrix)])
+            self.table_matrix = np.concatenate([self.table_matrix,
+                                                np.zeros_like(self.table_matrix)])
             self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
         table.row = self._free_rows.pop()
         self._write_row(table, 0)

@@ -91,9 +91,9 @@ class Scheduler:
                              "prefills progress beside a full batch of decodes")
         self.config, self.block_manager = config, block_manager
         self.device = torch.device(device)
-        self.running: list[Sequence] = []               # sorted by order, oldest first
-        self.waiting: list[tuple] = []                  # heap of (order, seq)
-        self.swapped: list[tuple] = []                  # heap of (order, seq)
+        self.running: list[Sequence] = []               # sorted, oldest first
+        self.waiting: list[Sequence] = []               # heap, oldest first
+        self.swapped: list[Sequence] = []               # heap, oldest first
         self._ids = itertools.count()
         self._arrivals = itertools.count()
 
@@ -109,7 +109,7 @@ class Scheduler:
                              f"the pool of {bm.num_blocks} x {bm.block_size} slots")
         seq = Sequence(next(self._ids), list(prompt_token_ids), max_tokens,
                        next(self._arrivals), eos_token_id)
-        heapq.heappush(self.waiting, (seq.order, seq))
+        heapq.heappush(self.waiting, seq)
         return seq
 
     def fork(self, seq: Sequence) -> Sequence:
@@ -121,7 +121,7 @@ class Scheduler:
                          seq.eos_token_id, seq.num_prompt_tokens, SequenceStatus.RUNNING,
                          seq.num_computed_tokens)
         self.block_manager.fork(seq.seq_id, child.seq_id)
-        insort(self.running, child, key=lambda s: s.order)
+        insort(self.running, child)
         return child
 
     def has_unfinished(self) -> bool:
@@ -173,7 +173,7 @@ class Scheduler:
 
         if not preempted:
             while self.swapped and len(running) < cfg.max_num_seqs:
-                seq = self.swapped[0][1]
+                seq = self.swapped[0]
                 num = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
                 if num <= 0 or not bm.swap_in(seq.seq_id, num):
                     break
@@ -183,7 +183,7 @@ class Scheduler:
                 budget -= num
             watermark = int(cfg.watermark * bm.num_blocks) if running else 0
             while self.waiting and not self.swapped and len(running) < cfg.max_num_seqs and budget:
-                seq = self.waiting[0][1]
+                seq = self.waiting[0]
                 num_cached = bm.allocate(seq.seq_id, seq.token_ids, budget, watermark)
                 if num_cached is None:
                     break
@@ -197,7 +197,7 @@ class Scheduler:
 
     def _start(self, seq: Sequence, num: int, scheduled: list) -> None:
         seq.status = SequenceStatus.RUNNING
-        insort(self.running, seq, key=lambda s: s.order)
+        insort(self.running, seq)
         scheduled.append((seq, num))
 
     def _preempt(self, seq: Sequence) -> None:
@@ -208,12 +208,12 @@ class Scheduler:
             cfg.preemption_mode == "auto" and seq.num_computed_tokens >= cfg.swap_min_tokens)
         if swap and self.block_manager.swap_out(seq.seq_id):
             seq.status = SequenceStatus.SWAPPED
-            heapq.heappush(self.swapped, (seq.order, seq))
+            heapq.heappush(self.swapped, seq)
         else:
             self.block_manager.free(seq.seq_id)
             seq.num_computed_tokens = 0
             seq.status = SequenceStatus.WAITING
-            heapq.heappush(self.waiting, (seq.order, seq))
+            heapq.heappush(self.waiting, seq)
 
     def _build(self, scheduled: list[tuple[Sequence, int]], block_ops: BlockOps,
                preempted: list[Sequence]) -> StepBatch:

@@ -43,6 +43,9 @@ class Sequence:
     def order(self) -> tuple[int, int]:
         return (self.arrival, self.seq_id)
 
+    def __lt__(self, other: "Sequence") -> bool:  # older first, for sorted lists and heaps
+        return (self.arrival, self.seq_id) < (other.arrival, other.seq_id)
+
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
