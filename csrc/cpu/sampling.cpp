@@ -92,8 +92,10 @@ int64_t inverse_cdf(const WeightRow& row, float u, std::vector<float>& tile_tota
     const int64_t end = std::min<int64_t>((j + 1) * run_length, num_tiles);
     for (int64_t i = j * run_length; i < end; ++i) {
       const float tile_excl = runs_before + partial;
-      if (tile_excl + tile_totals[i] > threshold) {
-        // The first tile whose largest prefix crosses holds the token.
+      // Empty tiles are skipped: their prefix is computed in another order than the previous
+      // tile's and can exceed it by an ulp, which would make an empty tile "cross".
+      if (tile_totals[i] > 0.f && tile_excl + tile_totals[i] > threshold) {
+        // The first non-empty tile whose largest prefix crosses holds the token.
         const int64_t t = first_crossing_in_tile<kDraftRow>(row, i, tile_excl, threshold);
         return t >= 0 ? t : last_positive_weight(row);  // always t >= 0, see sampling.h
       }

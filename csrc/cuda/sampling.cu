@@ -20,6 +20,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <mutex>
+
 #include <climits>
 
 #include "cuda/cuda_utils.cuh"
@@ -221,7 +223,8 @@ __device__ int64_t inverse_cdf(const WeightRow& row, float u, float* tile_totals
   float partial = 0.f;
   for (int64_t i = run_begin; i < run_end; ++i) {
     const float tile_excl = runs_before + partial;
-    if (tile_excl + tile_totals[i] > threshold) {
+    // Empty tiles are skipped, as on the CPU (sampling.h says why).
+    if (tile_totals[i] > 0.f && tile_excl + tile_totals[i] > threshold) {
       candidate = static_cast<int>(i);
       candidate_excl = tile_excl;
       break;
@@ -316,8 +319,8 @@ __global__ void __launch_bounds__(kGreedyThreads) greedy_verify_kernel(const Gre
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-template <typename Kernel>
-void set_dynamic_smem(Kernel kernel, size_t bytes, int64_t vocab, int device) {
+template <int kVec>
+void set_dynamic_smem(size_t bytes, int64_t vocab, int device) {
   // The default limit of 48 KiB per block counts the static SampleShared too.
   if (bytes + sizeof(SampleShared) <= 48 * 1024) return;
   int max_bytes = 0;
@@ -327,8 +330,14 @@ void set_dynamic_smem(Kernel kernel, size_t bytes, int64_t vocab, int device) {
   TORCH_CHECK(bytes <= limit, "pagedspec.rejection_sample: target_probs.size(2) (vocabulary size) ",
               "must be at most ", limit / sizeof(float) * kSampleTile,
               " on this GPU (4 bytes of shared memory per 128 tokens), got ", vocab);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      static_cast<int>(bytes)));
+  // Raise the kernel's limit to the device maximum once: a per-call value could be lowered by
+  // another host thread between its cudaFuncSetAttribute and our launch.
+  static std::once_flag raised[64];
+  std::call_once(raised[device % 64], [&] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(rejection_sample_kernel<kVec>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(limit)));
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
@@ -369,10 +378,10 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
                             (p.draft_probs == nullptr || aligned16(p.draft_probs));
   const int device = target_probs.get_device();
   if (vectorizable) {
-    set_dynamic_smem(rejection_sample_kernel<4>, smem, args.vocab, device);
+    set_dynamic_smem<4>(smem, args.vocab, device);
     rejection_sample_kernel<4><<<args.batch, kThreads, smem, stream>>>(p);
   } else {
-    set_dynamic_smem(rejection_sample_kernel<1>, smem, args.vocab, device);
+    set_dynamic_smem<1>(smem, args.vocab, device);
     rejection_sample_kernel<1><<<args.batch, kThreads, smem, stream>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();

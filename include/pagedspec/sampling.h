@@ -21,6 +21,8 @@
 //        E[i] = X[j] + (T[first tile of run j] + ... + T[i - 1]), summed from 0.0f.
 //  3. total = scanned total of all runs, threshold = u * total, and for t in tile i
 //        prefix(t) = E[i] + (Sklansky prefix of t inside the tile).
+// Tiles with T[i] == 0 are skipped: E[i] is summed in another order than the previous tile's
+// largest prefix and can exceed it by an ulp, so an empty tile could otherwise seem to cross.
 // Inside a tile prefix(t) never decreases (a Sklansky scan of non-negative numbers is monotone),
 // and its value at the tile's last positive weight is E[i] + T[i]. So the token lies in the first
 // tile with E[i] + T[i] > threshold, and that tile is the only part of the row read twice. If no
