@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include <cstring>
+#include <type_traits>
 
 #include "cache_checks.h"
 #include "cpu/cpu_types.h"
@@ -14,6 +15,8 @@ namespace {
 template <typename InT, typename CacheT, CacheFormat F>
 void reshape_and_cache_cpu_impl(const ReshapeAndCacheParams<InT, CacheT>& p) {
   using Codec = CacheCodec<CacheT, F>;
+  // A native cache holds the input dtype, so a head row is copied bit for bit.
+  constexpr bool kCopyRows = F == CacheFormat::kNative && std::is_same_v<InT, CacheT>;
   const int heads = p.geo.num_kv_heads;
   const int head_size = p.geo.head_size;
   at::parallel_for(0, p.num_tokens, 16, [&](int64_t begin, int64_t end) {
@@ -29,6 +32,12 @@ void reshape_and_cache_cpu_impl(const ReshapeAndCacheParams<InT, CacheT>& p) {
         const float vs = p.v_scale.at(h);
         CacheT* kd = k_dst + h * head_size;
         CacheT* vd = v_dst + h * head_size;
+        if constexpr (kCopyRows) {
+          std::memcpy(kd, k_src, head_size * sizeof(CacheT));
+          std::memcpy(vd, v_src, head_size * sizeof(CacheT));
+          continue;
+        }
+#pragma omp simd
         for (int d = 0; d < head_size; ++d) {
           kd[d] = Codec::encode(ScalarConvert<InT>::to_float(k_src[d]), ks);
           vd[d] = Codec::encode(ScalarConvert<InT>::to_float(v_src[d]), vs);

@@ -9,14 +9,19 @@
 namespace pagedspec {
 namespace {
 
-// Elementwise over [rows, num_heads, head_size]: element i uses scale of head (i / head_size) %
-// num_heads (num_heads is 1 for a per-tensor scale).
+// Over rows of head_size elements, so the scale is constant along the vectorized inner loop:
+// row r uses the scale of head r % num_heads (num_heads is 1 for a per-tensor scale).
 template <typename SrcT, typename DstT, typename Fn>
 void fp8_convert_cpu_impl(const Fp8ConvertParams<SrcT, DstT>& p, Fn convert) {
-  at::parallel_for(0, p.numel, 4096, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int head = static_cast<int>((i / p.head_size) % p.num_heads);
-      p.out[i] = convert(p.input[i], p.scale.at(head));
+  const int64_t rows = p.head_size ? p.numel / p.head_size : 0;
+  at::parallel_for(0, rows, 4096 / std::max<int64_t>(p.head_size, 1) + 1,
+                   [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float scale = p.scale.at(static_cast<int>(r % p.num_heads));
+      const SrcT* in = p.input + r * p.head_size;
+      DstT* out = p.out + r * p.head_size;
+#pragma omp simd
+      for (int64_t d = 0; d < p.head_size; ++d) out[d] = convert(in[d], scale);
     }
   });
 }

@@ -11,8 +11,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include <math.h>
-
 #include "pagedspec/macros.h"
 
 namespace pagedspec {
@@ -69,48 +67,53 @@ struct Fp8Traits<Fp8Format::kE5M2> {
 };
 
 // float -> FP8 code with saturation and round-to-nearest-even.
+// Written without branches (every path is computed, then selected) so the CPU loops vectorize;
+// on the GPU the selects become predicated moves.
 template <Fp8Format F>
 PS_HOST_DEVICE uint8_t float_to_fp8(float x) {
   using T = Fp8Traits<F>;
   const uint32_t bits = float_as_bits(x);
-  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  const uint32_t sign = (bits >> 24) & 0x80u;
   const uint32_t mag = bits & 0x7FFFFFFFu;
-  if (mag > 0x7F800000u) return sign | 0x7F;               // NaN keeps its sign
-  if (mag >= T::kMaxFiniteBits) return sign | T::kMaxCode;  // saturate, inf included
-  if (mag < T::kMinNormalBits) {
-    // Subnormal (or zero): the code is the multiple of the smallest subnormal, rounded to even.
-    // Scaling by a power of two is exact and rintf rounds to nearest even; a result equal to
-    // 2^kMantBits is exactly the smallest normal's code, so no special case is needed.
-    const float scaled = bits_as_float(mag) * T::kSubnormalScale;
-    return sign | static_cast<uint8_t>(rintf(scaled));
-  }
-  // Normal: rebias the exponent, then drop (23 - kMantBits) mantissa bits, rounding to nearest
-  // even. A carry out of the mantissa correctly bumps the exponent.
+  // Normal range: rebias the exponent, then drop (23 - kMantBits) mantissa bits rounding to
+  // nearest even; a carry out of the mantissa correctly bumps the exponent. (For magnitudes
+  // below the normal range the subtraction wraps; that lane is not selected.)
   constexpr int kDrop = 23 - T::kMantBits;
   const uint32_t rebiased = mag - (static_cast<uint32_t>(127 - T::kBias) << 23);
-  const uint32_t odd = (rebiased >> kDrop) & 1u;
-  const uint32_t rounded = (rebiased + ((1u << (kDrop - 1)) - 1u) + odd) >> kDrop;
-  return sign | static_cast<uint8_t>(rounded);
+  const uint32_t normal =
+      (rebiased + ((1u << (kDrop - 1)) - 1u) + ((rebiased >> kDrop) & 1u)) >> kDrop;
+  // Subnormal range (and zero): the code is the count of smallest subnormals, rounded to even.
+  // Scaling by a power of two is exact; adding 2^23 then rounds to an integer (float addition
+  // rounds to nearest even, and 2^23's ulp is 1), whose value is the low mantissa bits. A result
+  // of 2^kMantBits is exactly the smallest normal's code. Lanes that are not selected are clamped
+  // to the smallest normal so the arithmetic stays in range.
+  const float tiny = bits_as_float(mag < T::kMinNormalBits ? mag : T::kMinNormalBits);
+  const uint32_t subnormal = float_as_bits(tiny * T::kSubnormalScale + 8388608.0f) - 0x4B000000u;
+  uint32_t code = mag < T::kMinNormalBits ? subnormal : normal;
+  code = mag >= T::kMaxFiniteBits ? T::kMaxCode : code;  // saturate, inf included
+  code = mag > 0x7F800000u ? 0x7Fu : code;               // NaN keeps its sign
+  return static_cast<uint8_t>(sign | code);
 }
 
-// FP8 code -> float (exact).
+// FP8 code -> float (exact). Branch-free for the same reason as float_to_fp8.
 template <Fp8Format F>
 PS_HOST_DEVICE float fp8_to_float(uint8_t code) {
   using T = Fp8Traits<F>;
   constexpr int kExpBits = 7 - T::kMantBits;
+  constexpr uint32_t kExpMax = (1u << kExpBits) - 1u;
   const uint32_t sign = static_cast<uint32_t>(code & 0x80u) << 24;
-  const uint32_t exp = (code >> T::kMantBits) & ((1u << kExpBits) - 1u);
+  const uint32_t exp = (code >> T::kMantBits) & kExpMax;
   const uint32_t mant = code & ((1u << T::kMantBits) - 1u);
-  if (exp == 0) {
-    const float mag = static_cast<float>(mant) / T::kSubnormalScale;
-    return sign ? -mag : mag;
+  const uint32_t normal = sign | ((exp + 127 - T::kBias) << 23) | (mant << (23 - T::kMantBits));
+  const uint32_t subnormal =
+      sign | float_as_bits(static_cast<float>(mant) * (1.0f / T::kSubnormalScale));
+  uint32_t bits = exp == 0 ? subnormal : normal;
+  if constexpr (F == Fp8Format::kE4M3) {
+    bits = (code & 0x7Fu) == 0x7Fu ? (sign | 0x7FC00000u) : bits;  // e4m3fn: only NaN, no inf
+  } else {
+    bits = exp == kExpMax ? (sign | (mant == 0 ? 0x7F800000u : 0x7FC00000u)) : bits;  // inf/NaN
   }
-  if (F == Fp8Format::kE4M3) {
-    if (exp == 15 && mant == 7) return bits_as_float(sign | 0x7FC00000u);  // e4m3fn: only NaN
-  } else if (exp == 31) {
-    return bits_as_float(sign | (mant == 0 ? 0x7F800000u : 0x7FC00000u));  // e5m2: inf / NaN
-  }
-  return bits_as_float(sign | ((exp + 127 - T::kBias) << 23) | (mant << (23 - T::kMantBits)));
+  return bits_as_float(bits);
 }
 
 // Quantize with a scale: stored = saturate(x / scale). True division (not a reciprocal

@@ -1,0 +1,1 @@
+"""Kernel benchmarks: a registry of cases (``cases_*.py``), timing (``core``), the runner."""

@@ -1,0 +1,7 @@
+"""``python -m pagedspec.bench``: run the kernel benchmarks (see pagedspec.bench.runner)."""
+import sys
+
+from pagedspec.bench.runner import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The kernel benchmark runner: ``python -m pagedspec.bench`` or ``pagedspec-bench``.
+
+For every registered case it measures the kernel's median time, the bytes it must move, the
+achieved bandwidth and its ratio to a device-to-device copy measured in the same run, and the
+speedup over the pure-PyTorch reference; it prints a table and writes results.json,
+results.md and results.png into the output folder.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import json
+import os
+import pkgutil
+import platform
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+import pagedspec
+from pagedspec.bench import core
+
+
+def load_cases() -> list[core.Case]:
+    """Imports every ``cases_*`` module beside this file (each registers its cases)."""
+    package = importlib.import_module("pagedspec.bench")
+    for info in pkgutil.iter_modules(package.__path__):
+        if info.name.startswith("cases_"):
+            importlib.import_module(f"pagedspec.bench.{info.name}")
+    return list(core.CASES)
+
+
+def device_info(device: torch.device) -> dict:
+    """What the numbers were measured on: GPU name, clocks, memory and driver via NVML; CPU model
+    and thread count otherwise."""
+    info = {"device": str(device), "torch": torch.__version__, "pagedspec": pagedspec.build_info()}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(name=props.name, sm_count=props.multi_processor_count,
+                    memory_gib=round(props.total_memory / 2**30, 1))
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+            info.update(
+                driver=pynvml.nvmlSystemGetDriverVersion(),
+                sm_clock_mhz=pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                max_sm_clock_mhz=pynvml.nvmlDeviceGetMaxClockInfo(handle, pynvml.NVML_CLOCK_SM),
+                mem_clock_mhz=pynvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM),
+                power_limit_w=pynvml.nvmlDeviceGetPowerManagementLimit(handle) / 1000,
+            )
+        except Exception as exc:  # NVML missing or not permitted: keep what torch told us
+            info["nvml_error"] = str(exc)
+    else:
+        model = platform.processor() or platform.machine()
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        info.update(name=model, cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads())
+    return info
+
+
+def run_case(case: core.Case, device: torch.device, copy_bw: float, with_reference: bool,
+             budget_s: float) -> dict:
+    workload = case.build(device)
+    seconds = core.time_call(workload.run, device, budget_s=budget_s)
+    row = {"op": case.op, "case": case.name, **case.params, "time_us": seconds * 1e6,
+           "bytes": workload.bytes_moved, "gbps": workload.bytes_moved / seconds / 1e9,
+           "bw_ratio": workload.bytes_moved / seconds / copy_bw}
+    if workload.items:
+        row["items_per_s"] = workload.items / seconds
+        row["items_unit"] = workload.items_unit
+    if with_reference and workload.reference is not None:
+        ref_seconds = core.time_call(workload.reference, device, min_reps=2, max_reps=20,
+                                     budget_s=budget_s, warmup=1)
+        row["ref_time_us"] = ref_seconds * 1e6
+        row["speedup"] = ref_seconds / seconds
+    del workload
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def markdown_table(rows: list[dict], copy_bw: float, info: dict) -> str:
+    lines = [f"Device: {info.get('name')} ({info['device']}); copy bandwidth measured in this run: "
+             f"{copy_bw / 1e9:.1f} GB/s", "",
+             "| op | case | time (us) | bytes | GB/s | of copy BW | ref (us) | speedup | items/s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        ref = f"{r['ref_time_us']:.1f}" if "ref_time_us" in r else "-"
+        speedup = f"{r['speedup']:.1f}x" if "speedup" in r else "-"
+        items = (f"{r['items_per_s']:.3g} {r['items_unit']}" if "items_per_s" in r else "-")
+        lines.append(f"| {r['op']} | {r['case']} | {r['time_us']:.1f} | {r['bytes']:,} | "
+                     f"{r['gbps']:.1f} | {r['bw_ratio']:.0%} | {ref} | {speedup} | {items} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path, title: str) -> Optional[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    height = max(3.0, 0.28 * len(rows) + 1.5)
+    fig, (ax_bw, ax_sp) = plt.subplots(1, 2, figsize=(14, height), sharey=True)
+    labels = [r["case"] for r in rows]
+    ax_bw.barh(labels, [100 * r["bw_ratio"] for r in rows], color="tab:blue")
+    ax_bw.set_xlabel("% of measured copy bandwidth")
+    ax_bw.axvline(100, color="gray", lw=0.8, ls="--")
+    ax_sp.barh(labels, [r.get("speedup", 0) for r in rows], color="tab:green")
+    ax_sp.set_xlabel("speedup over the pure-PyTorch reference (x)")
+    ax_sp.set_xscale("log")
+    ax_bw.invert_yaxis()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def default_out_dir(device: torch.device) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path("bench/results") if Path("bench").is_dir() else Path("pagedspec-bench-results")
+    return base / f"{device.type}-{stamp}"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedspec-bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--op", action="append", default=[],
+                        help="only these op families (repeatable, or comma-separated)")
+    parser.add_argument("--quick", action="store_true", help="only the cases marked quick")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--out", type=Path, default=None, help="output folder")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip timing the pure-PyTorch references")
+    parser.add_argument("--budget", type=float, default=1.0,
+                        help="seconds of timing per kernel and per reference (default 1)")
+    parser.add_argument("--list", action="store_true", help="list the selected cases and exit")
+    args = parser.parse_args(argv)
+
+    if args.device == "auto":
+        device = torch.device("cuda" if pagedspec.build_info()["cuda_available"] else "cpu")
+    else:
+        device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    families = {f for spec in args.op for f in spec.split(",") if f}
+    cases = [c for c in load_cases()
+             if (not families or c.op in families) and (not args.quick or c.quick)
+             and device.type in c.devices]
+    if args.list:
+        for c in cases:
+            print(f"{c.op:12s} {c.name}")
+        return 0
+    if not cases:
+        print("no benchmark case matches the filters")
+        return 1
+
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the progress bar is a convenience, not a dependency
+        def tqdm(items, **_):
+            return items
+
+    info = device_info(device)
+    copy_bw = core.measure_copy_bandwidth(device)
+    print(f"{info.get('name')}: copy bandwidth {copy_bw / 1e9:.1f} GB/s "
+          f"(read + write of a {'1 GiB' if device.type == 'cuda' else '256 MiB'} copy)")
+    rows = []
+    progress = tqdm(cases, desc="benchmarks", unit="case")
+    for case in progress:
+        if hasattr(progress, "set_postfix_str"):
+            progress.set_postfix_str(case.name[:60])
+        rows.append(run_case(case, device, copy_bw, not args.no_reference, args.budget))
+
+    out_dir = args.out or default_out_dir(device)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = markdown_table(rows, copy_bw, info)
+    (out_dir / "results.md").write_text(table + "\n")
+    (out_dir / "results.json").write_text(json.dumps(
+        {"device": info, "copy_bandwidth_bytes_per_s": copy_bw, "results": rows}, indent=2))
+    png = plot(rows, out_dir / "results.png", f"pagedspec on {info.get('name')}")
+    print()
+    print(table)
+    print(f"\nwrote {out_dir}/results.json, results.md" + (", results.png" if png else ""))
+    return 0

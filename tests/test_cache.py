@@ -1,0 +1,249 @@
+"""reshape_and_cache, copy_blocks and swap_blocks against the reference, bit for bit."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedspec import ops, reference
+from conftest import DEVICES, requires_cuda
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+# (input dtype, cache dtype): native caches hold the input dtype; FP8 caches take any input.
+DTYPE_PAIRS = [(torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16),
+               (torch.float32, torch.float32)] + [(w, f) for w in
+                                                  (torch.float16, torch.bfloat16, torch.float32)
+                                                  for f in FP8]
+# (num_blocks, block_size, num_kv_heads, head_size)
+GEOMETRIES = [(16, 16, 8, 128), (9, 8, 1, 64), (5, 32, 2, 80), (4, 64, 4, 96), (7, 16, 2, 112),
+              (3, 8, 2, 256)]
+OPCHECK_FP8 = ("test_faketensor", "test_autograd_registration")  # see test_fp8.py
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def _empty_cache(shape, dtype, device, gen) -> torch.Tensor:
+    """A cache whose every slot holds garbage: NaN for float caches, random codes for FP8, so a
+    write to the wrong slot or a missed write shows up."""
+    if dtype in FP8:
+        return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(dtype).to(device)
+    return torch.full(shape, float("nan"), dtype=dtype).to(device)
+
+
+def _random_slots(gen, num_tokens: int, num_slots: int, pad_every: int = 5) -> torch.Tensor:
+    """Distinct slots in random order, with some -1 padding entries."""
+    slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
+    slots[::pad_every] = -1
+    return slots.to(torch.int64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_dtype, cache_dtype", DTYPE_PAIRS)
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("scale_kind", ["tensor", "head"])
+def test_reshape_and_cache_matches_reference(device, in_dtype, cache_dtype, geometry, scale_kind,
+                                             gen):
+    num_blocks, block_size, heads, head_size = geometry
+    num_tokens = min(37, num_blocks * block_size)
+    # key and value are slices of a fused QKV projection: strided in the token dimension.
+    qkv = (torch.randn(num_tokens, 3 * heads, head_size, generator=gen) * 20).to(in_dtype)
+    qkv = qkv.to(device)
+    key, value = qkv[:, heads:2 * heads], qkv[:, 2 * heads:]
+    shape = (num_blocks, block_size, heads, head_size)
+    key_cache = _empty_cache(shape, cache_dtype, device, gen)
+    value_cache = _empty_cache(shape, cache_dtype, device, gen)
+    slots = _random_slots(gen, num_tokens, num_blocks * block_size).to(device)
+    scale_shape = (heads,) if scale_kind == "head" else ()
+    k_scale = (torch.rand(scale_shape, generator=gen) * 2 + 0.05).to(device)
+    v_scale = (torch.rand(scale_shape, generator=gen) * 2 + 0.05).to(device)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slots, k_scale, v_scale)
+    reference.reshape_and_cache(key, value, expected_k, expected_v, slots, k_scale, v_scale)
+    assert torch.equal(_bits(key_cache), _bits(expected_k))
+    assert torch.equal(_bits(value_cache), _bits(expected_v))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reshape_and_cache_fp8_without_scale_means_one(device, gen):
+    key = torch.randn(6, 2, 64, generator=gen).to(device)
+    cache = torch.zeros(2, 8, 2, 64, dtype=torch.float8_e4m3fn, device=device)
+    expected = cache.clone()
+    slots = torch.arange(6, dtype=torch.int64, device=device)
+    ops.reshape_and_cache(key, key, cache, cache.clone(), slots)
+    reference.reshape_and_cache(key, key, expected, expected.clone(), slots)
+    assert torch.equal(_bits(cache), _bits(expected))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reshape_and_cache_opcheck(device, gen):
+    key = torch.randn(10, 2, 64, generator=gen).to(device)
+    value = torch.randn(10, 2, 64, generator=gen).to(device)
+    slots = _random_slots(gen, 10, 32).to(device)
+    caches = [torch.randn(4, 8, 2, 64, generator=gen).to(device) for _ in range(2)]
+    torch.library.opcheck(torch.ops.pagedspec.reshape_and_cache.default,
+                          (key, value, *caches, slots))
+    fp8 = [torch.empty(4, 8, 2, 64, dtype=torch.float8_e5m2, device=device) for _ in range(2)]
+    scale = torch.tensor(0.5, device=device)
+    torch.library.opcheck(torch.ops.pagedspec.reshape_and_cache.default,
+                          (key, value, *fp8, slots, scale, scale), test_utils=OPCHECK_FP8)
+
+
+def _reshape_args(**overrides):
+    args = dict(key=torch.randn(4, 2, 64), value=torch.randn(4, 2, 64),
+                key_cache=torch.zeros(2, 8, 2, 64), value_cache=torch.zeros(2, 8, 2, 64),
+                slot_mapping=torch.arange(4, dtype=torch.int64), k_scale=None, v_scale=None)
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(key=torch.randn(4, 2, 64).long()), r"key must have dtype in \{Half, BFloat16, Float\}, got Long"),
+        (dict(value=torch.randn(4, 2, 64).half()), r"value must have the same dtype as key \(Float\), got Half"),
+        (dict(key=torch.randn(4, 128), value=torch.randn(4, 128)), r"key must have 3 dimensions, got 2"),
+        (dict(key_cache=torch.zeros(2, 8, 64, 2).transpose(2, 3)), r"key_cache must be contiguous"),
+        (dict(key_cache=torch.zeros(2, 8, 2, 64).half(), value_cache=torch.zeros(2, 8, 2, 64).half()),
+         r"key_cache must have the same dtype as key \(Float\), got Half"),
+        (dict(key_cache=torch.zeros(2, 8, 4, 64), value_cache=torch.zeros(2, 8, 4, 64)),
+         r"key.size\(1\) must be 4 \(num_kv_heads of key_cache\), got 2"),
+        (dict(key_cache=torch.zeros(2, 8, 2, 64, dtype=torch.int8)), r"key_cache must have dtype in"),
+        (dict(slot_mapping=torch.arange(4, dtype=torch.int32)), r"slot_mapping must have dtype in \{Long\}, got Int"),
+        (dict(slot_mapping=torch.arange(3, dtype=torch.int64)), r"slot_mapping.size\(0\) must be 4 \(num_tokens of key\), got 3"),
+        (dict(slot_mapping=torch.tensor([0, 1, 16, 2])), r"slot_mapping\[2\] must be -1 or in \[0, 16\), got 16"),
+        (dict(slot_mapping=torch.tensor([0, -2, 1, 2])), r"slot_mapping\[1\] must be -1 or in \[0, 16\), got -2"),
+        (dict(key_cache=torch.zeros(2, 8, 2, 64, dtype=torch.float8_e4m3fn),
+              value_cache=torch.zeros(2, 8, 2, 64, dtype=torch.float8_e4m3fn),
+              k_scale=torch.ones(3)), r"k_scale must have shape \[\] or \[2\], got \[3\]"),
+        (dict(key_cache=torch.zeros(2, 8, 2, 64, dtype=torch.float8_e4m3fn),
+              value_cache=torch.zeros(2, 8, 2, 64, dtype=torch.float8_e4m3fn),
+              v_scale=torch.ones((), dtype=torch.float16)), r"v_scale must have dtype in \{Float\}, got Half"),
+    ],
+)
+def test_reshape_and_cache_bad_inputs(overrides, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.reshape_and_cache(**_reshape_args(**overrides))
+
+
+def _cow_mapping(gen, num_blocks: int, n: int) -> torch.Tensor:
+    """n (src, dst) pairs with distinct dsts, no dst used as a src: a valid copy-on-write step."""
+    perm = torch.randperm(num_blocks, generator=gen)
+    dst = perm[:n]
+    src = perm[n:][torch.randint(0, num_blocks - n, (n,), generator=gen)]  # srcs may repeat
+    return torch.stack([src, dst], dim=1).to(torch.int64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("num_layers", [1, 3, 70])  # 70 > the 64 layers one CUDA launch carries
+def test_copy_blocks_matches_reference(device, dtype, num_layers, gen):
+    shape = (12, 8, 2, 64)
+    def layer():
+        if dtype in FP8:
+            return torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(dtype)
+        return torch.randn(shape, generator=gen).to(dtype)
+    keys = [layer().to(device) for _ in range(num_layers)]
+    values = [layer().to(device) for _ in range(num_layers)]
+    mapping = _cow_mapping(gen, 12, 5).to(device)
+    expected_keys = [k.clone() for k in keys]
+    expected_values = [v.clone() for v in values]
+    ops.copy_blocks(keys, values, mapping)
+    reference.copy_blocks(expected_keys, expected_values, mapping)
+    for got, want in zip(keys + values, expected_keys + expected_values):
+        assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_copy_blocks_opcheck(device, gen):
+    keys = [torch.randn(6, 8, 2, 64, generator=gen).to(device) for _ in range(2)]
+    values = [torch.randn(6, 8, 2, 64, generator=gen).to(device) for _ in range(2)]
+    mapping = _cow_mapping(gen, 6, 2).to(device)
+    torch.library.opcheck(torch.ops.pagedspec.copy_blocks.default, (keys, values, mapping))
+
+
+@pytest.mark.parametrize(
+    "mapping, match",
+    [
+        ([[0, 1], [1, 2]], r"block_mapping\[0, 1\] = 1 is also a src block"),
+        ([[0, 2], [1, 2]], r"block_mapping\[1, 1\] = 2 repeats an earlier dst block"),
+        ([[0, 6]], r"block_mapping\[0, 1\] \(dst block\) must be in \[0, 6\), got 6"),
+        ([[-1, 3]], r"block_mapping\[0, 0\] \(src block\) must be in \[0, 6\), got -1"),
+    ],
+)
+def test_copy_blocks_bad_mapping(mapping, match):
+    caches = [torch.randn(6, 8, 2, 64)]
+    with pytest.raises(RuntimeError, match=match):
+        ops.copy_blocks(caches, [torch.randn(6, 8, 2, 64)], torch.tensor(mapping))
+
+
+def test_copy_blocks_bad_layers():
+    with pytest.raises(RuntimeError, match=r"value_caches\[i\] for i=1 must match key_caches\[0\]"):
+        ops.copy_blocks([torch.zeros(4, 8, 2, 64)] * 2,
+                        [torch.zeros(4, 8, 2, 64), torch.zeros(5, 8, 2, 64)],
+                        torch.tensor([[0, 1]]))
+    with pytest.raises(RuntimeError, match=r"block_mapping must have dtype in \{Long\}, got Int"):
+        ops.copy_blocks([torch.zeros(4, 8, 2, 64)], [torch.zeros(4, 8, 2, 64)],
+                        torch.tensor([[0, 1]], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"key_caches and value_caches must have the same length"):
+        ops.copy_blocks([torch.zeros(4, 8, 2, 64)], [], torch.tensor([[0, 1]]))
+
+
+def test_swap_blocks_cpu_matches_reference(gen):
+    src = torch.randn(10, 16, 4, 64, generator=gen).to(torch.bfloat16)
+    dst = torch.full((7, 16, 4, 64), float("nan"), dtype=torch.bfloat16)
+    # Includes a run of consecutive blocks (3,4,5 -> 0,1,2) and scattered ones.
+    mapping = torch.tensor([[3, 0], [4, 1], [5, 2], [9, 6], [0, 4]])
+    expected = dst.clone()
+    ops.swap_blocks(src, dst, mapping)
+    reference.swap_blocks(src, expected, mapping)
+    assert torch.equal(dst.view(torch.int16), expected.view(torch.int16))
+
+
+def test_swap_blocks_opcheck(gen):
+    src = torch.randn(4, 8, 2, 64, generator=gen)
+    dst = torch.randn(3, 8, 2, 64, generator=gen)
+    torch.library.opcheck(torch.ops.pagedspec.swap_blocks.default,
+                          (src, dst, torch.tensor([[1, 0], [3, 2]])))
+
+
+@pytest.mark.parametrize(
+    "dst, mapping, match",
+    [
+        (torch.zeros(3, 8, 2, 64), [[4, 0]], r"block_mapping\[0, 0\] \(src block\) must be in \[0, 4\), got 4"),
+        (torch.zeros(3, 8, 2, 64), [[0, 3]], r"block_mapping\[0, 1\] \(dst block\) must be in \[0, 3\), got 3"),
+        (torch.zeros(3, 8, 2, 32), [[0, 0]], r"dst must have the same block shape as src"),
+        (torch.zeros(3, 8, 2, 64).half(), [[0, 0]], r"dst must have the same dtype as src"),
+    ],
+)
+def test_swap_blocks_bad_inputs(dst, mapping, match):
+    with pytest.raises(RuntimeError, match=match):
+        ops.swap_blocks(torch.zeros(4, 8, 2, 64), dst, torch.tensor(mapping))
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("mapping_on", ["cpu", "cuda"])
+@pytest.mark.parametrize("direction", ["out", "in"])
+def test_swap_blocks_between_pinned_host_and_gpu(mapping_on, direction, gen):
+    gpu = torch.randn(12, 16, 8, 128, generator=gen).half().cuda()
+    host = torch.randn(20, 16, 8, 128, generator=gen).half().pin_memory()
+    mapping = torch.tensor([[1, 5], [2, 6], [3, 7], [11, 0], [0, 19]])
+    if direction == "in":
+        mapping = mapping[:, [1, 0]].contiguous()
+        src, dst = host, gpu
+    else:
+        src, dst = gpu, host
+    expected = dst.clone().cpu()
+    ops.swap_blocks(src, dst, mapping.to(mapping_on))
+    torch.cuda.synchronize()
+    reference.swap_blocks(src.cpu(), expected, mapping)
+    assert torch.equal(dst.cpu().view(torch.int16), expected.view(torch.int16))
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_swap_blocks_device_mapping_needs_pinned_host():
+    with pytest.raises(RuntimeError, match=r"src must be in pinned host memory"):
+        ops.swap_blocks(torch.zeros(4, 8), torch.zeros(4, 8, device="cuda"),
+                        torch.tensor([[0, 1]], device="cuda"))
