@@ -17,8 +17,8 @@
 namespace pagedspec {
 namespace {
 
-constexpr int64_t kChunk = 256;          // keys whose columns are computed in one go
-constexpr int64_t kPrefetchDistance = 16;  // keys ahead to prefetch a counter for
+constexpr int64_t kChunk = 1024;           // (row, key) counters whose columns are computed at once
+constexpr int64_t kPrefetchDistance = 128; // counters ahead to prefetch: ~ DRAM latency / loop step
 constexpr int64_t kAtomicBlock = 1 << 14;  // keys per task when rows are shared by tasks
 
 // cols[j] = col_row(keys[j]) for j < count (count <= kChunk).
@@ -43,8 +43,18 @@ inline void dispatch_pow2(bool pow2, Fn&& fn) {
   }
 }
 
-inline void prefetch_write(const int32_t* p) { __builtin_prefetch(p, 1, 1); }
-inline void prefetch_read(const int32_t* p) { __builtin_prefetch(p, 0, 1); }
+// Calls visit(j) for j in [0, count) while keeping the counters at ptr(j + kPrefetchDistance)
+// in flight: random counter accesses on wide rows are cache (and TLB) misses, and this overlaps
+// tens of them instead of the handful the out-of-order window finds on its own.
+template <bool kWrite, typename Ptr, typename Visit>
+inline void visit_prefetched(int64_t count, Ptr&& ptr, Visit&& visit) {
+  const int64_t head = std::min(count, kPrefetchDistance);
+  for (int64_t j = 0; j < head; ++j) __builtin_prefetch(ptr(j), kWrite, 1);
+  for (int64_t j = 0; j < count; ++j) {
+    if (j + kPrefetchDistance < count) __builtin_prefetch(ptr(j + kPrefetchDistance), kWrite, 1);
+    visit(j);
+  }
+}
 
 // Saturating add on a counter shared with other threads: a CAS loop (uncontended it costs about
 // what a locked add does).
@@ -63,15 +73,16 @@ void update_row_range(const SketchUpdateParams& p, int row, int64_t begin, int64
   for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
     const int64_t count = std::min(kChunk, end - c0);
     row_columns<kPow2>(p.geo, p.keys + c0, count, row, cols);
-    for (int64_t j = 0; j < count; ++j) {
-      if (j + kPrefetchDistance < count) prefetch_write(counters + cols[j + kPrefetchDistance]);
-      const int32_t inc = p.increment(c0 + j);
-      if constexpr (kAtomic) {
-        if (inc != 0) atomic_sat_add(counters + cols[j], inc);
-      } else {
-        counters[cols[j]] = sat_add(counters[cols[j]], inc);
-      }
-    }
+    visit_prefetched<true>(
+        count, [&](int64_t j) { return counters + cols[j]; },
+        [&](int64_t j) {
+          const int32_t inc = p.increment(c0 + j);
+          if constexpr (kAtomic) {
+            if (inc != 0) atomic_sat_add(counters + cols[j], inc);
+          } else {
+            counters[cols[j]] = sat_add(counters[cols[j]], inc);
+          }
+        });
   }
 }
 
@@ -100,21 +111,31 @@ void plain_update(const SketchUpdateParams& p) {
   });
 }
 
-// out[i] = min over rows of the key's counters, for keys [begin, end).
+// out[i] = min over rows of the key's counters, for keys [begin, end). A chunk's columns are
+// computed for every row first, so that one prefetch window runs over all its counters.
 template <bool kPow2>
 void query_range(const int32_t* sketch, const SketchGeometry& geo, const int64_t* keys,
                  int32_t* out, int64_t begin, int64_t end) {
-  int64_t cols[kChunk];
-  for (int64_t c0 = begin; c0 < end; c0 += kChunk) {
-    const int64_t count = std::min(kChunk, end - c0);
+  int64_t cols[kChunk];  // [depth, keys_per_chunk], as offsets into the whole sketch
+  const int64_t keys_per_chunk = kChunk / kSketchMaxDepth * (kSketchMaxDepth / geo.depth);
+  for (int64_t c0 = begin; c0 < end; c0 += keys_per_chunk) {
+    const int64_t count = std::min(keys_per_chunk, end - c0);
+    for (int r = 0; r < geo.depth; ++r) {
+      int64_t* row_cols = cols + r * count;
+      row_columns<kPow2>(geo, keys + c0, count, r, row_cols);
+      for (int64_t j = 0; j < count; ++j) row_cols[j] += r * geo.width;
+    }
     int32_t* o = out + c0;
     for (int64_t j = 0; j < count; ++j) o[j] = kSketchCounterMax;
-    for (int r = 0; r < geo.depth; ++r) {
-      const int32_t* counters = sketch + r * geo.width;
-      row_columns<kPow2>(geo, keys + c0, count, r, cols);
+    const int64_t total = count * geo.depth;
+    for (int64_t t = 0; t < std::min(total, kPrefetchDistance); ++t) {
+      __builtin_prefetch(sketch + cols[t], 0, 1);
+    }
+    for (int64_t t0 = 0; t0 < total; t0 += count) {  // one row after the other
       for (int64_t j = 0; j < count; ++j) {
-        if (j + kPrefetchDistance < count) prefetch_read(counters + cols[j + kPrefetchDistance]);
-        o[j] = std::min(o[j], counters[cols[j]]);
+        const int64_t t = t0 + j;
+        if (t + kPrefetchDistance < total) __builtin_prefetch(sketch + cols[t + kPrefetchDistance], 0, 1);
+        o[j] = std::min(o[j], sketch[cols[t]]);
       }
     }
   }
@@ -138,19 +159,17 @@ void conservative_update(const SketchUpdateParams& p) {
 
   struct Entry {
     int64_t key;
-    int64_t sum;  // up to n * (2^31 - 1) < 2^62
-    bool used;
+    int64_t sum;  // -1: empty; else the key's total, at most n * (2^31 - 1) < 2^62
   };
   const int64_t capacity = sketch_table_capacity(n);
   const uint64_t mask = static_cast<uint64_t>(capacity - 1);
-  std::vector<Entry> table(capacity, Entry{0, 0, false});
+  std::vector<Entry> table(capacity, Entry{0, -1});
   std::vector<int32_t> slot(n);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t key = p.keys[i];
     uint64_t h = sketch_dedup_hash(key) & mask;
-    while (table[h].used && table[h].key != key) h = (h + 1) & mask;
-    table[h].used = true;
-    table[h].key = key;
+    while (table[h].sum >= 0 && table[h].key != key) h = (h + 1) & mask;
+    if (table[h].sum < 0) table[h] = Entry{key, 0};
     table[h].sum += p.increment(i);
     slot[i] = static_cast<int32_t>(h);
   }
@@ -170,12 +189,11 @@ void conservative_update(const SketchUpdateParams& p) {
         for (int64_t c0 = 0; c0 < n; c0 += kChunk) {
           const int64_t count = std::min(kChunk, n - c0);
           row_columns<kPow2>(p.geo, p.keys + c0, count, static_cast<int>(r), cols);
-          for (int64_t j = 0; j < count; ++j) {
-            if (j + kPrefetchDistance < count) {
-              prefetch_write(counters + cols[j + kPrefetchDistance]);
-            }
-            counters[cols[j]] = std::max(counters[cols[j]], target[c0 + j]);
-          }
+          visit_prefetched<true>(
+              count, [&](int64_t j) { return counters + cols[j]; },
+              [&](int64_t j) {
+                counters[cols[j]] = std::max(counters[cols[j]], target[c0 + j]);
+              });
         }
       }
     });
