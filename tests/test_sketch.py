@@ -391,7 +391,8 @@ def test_opcheck(device, gen):
     sketch = random_sketch(gen, 4, 1000).to(device)
     keys = random_keys(gen, 300).to(device)
     inc = random_increments(gen, 300, "small").to(device)
-    for args in [(sketch, keys, inc, False), (sketch, keys, inc, True), (sketch, keys, None, False)]:
+    for args in [(sketch, keys, inc, False), (sketch, keys, inc, True),
+                 (sketch, keys, None, False)]:
         torch.library.opcheck(torch.ops.pagedspec.cms_update.default, args,
                               test_utils=OPCHECK_UTILS)
     torch.library.opcheck(torch.ops.pagedspec.cms_query.default, (sketch, keys),
@@ -416,7 +417,8 @@ KEYS = torch.arange(10, dtype=torch.int64)
          r"cms_update: keys must have dtype in \{Long\}, got Int"),
         (lambda: ops.cms_query(_sk(), KEYS.double()),
          r"cms_query: keys must have dtype in \{Long\}, got Double"),
-        (lambda: ops.cms_update(_sk(), KEYS.view(2, 5)), r"cms_update: keys must have 1 dimensions"),
+        (lambda: ops.cms_update(_sk(), KEYS.view(2, 5)),
+         r"cms_update: keys must have 1 dimensions"),
         (lambda: ops.cms_update(_sk(), KEYS[::2]), r"cms_update: keys must be contiguous"),
         (lambda: ops.cms_update(_sk(), KEYS, torch.tensor([1] * 9 + [-1], dtype=torch.int32)),
          r"cms_update: increments must be >= 0, got increments\[9\] = -1"),

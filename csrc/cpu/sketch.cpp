@@ -1,8 +1,8 @@
 // CPU kernels for the count-min sketch: cms_update (plain and conservative), cms_query, cms_decay.
 //
 // Keys are processed in chunks: first the chunk's columns for one row (a tight loop the compiler
-// vectorizes for power-of-two widths), then the counter accesses, with a software prefetch a few
-// keys ahead so that cache misses on wide rows overlap.
+// vectorizes for power-of-two widths), then the counter accesses, with a software prefetch
+// kPrefetchDistance counters ahead so that cache and TLB misses on wide rows overlap.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -20,6 +20,11 @@ namespace {
 constexpr int64_t kChunk = 1024;           // (row, key) counters whose columns are computed at once
 constexpr int64_t kPrefetchDistance = 128; // counters ahead to prefetch: ~ DRAM latency / loop step
 constexpr int64_t kAtomicBlock = 1 << 14;  // keys per task when rows are shared by tasks
+// Below this many keys a call runs on the calling thread: waking the pool costs more than the work.
+constexpr int64_t kParallelMinKeys = 1 << 14;
+
+// Grain for at::parallel_for over rows: all rows in one task for small batches.
+inline int64_t row_grain(int64_t n, int depth) { return n < kParallelMinKeys ? depth : 1; }
 
 // cols[j] = col_row(keys[j]) for j < count (count <= kChunk).
 template <bool kPow2>
@@ -95,7 +100,7 @@ void plain_update(const SketchUpdateParams& p) {
   dispatch_pow2(p.geo.pow2, [&](auto pow2) {
     constexpr bool kPow2 = decltype(pow2)::value;
     if (!share_rows) {
-      at::parallel_for(0, depth, 1, [&](int64_t r0, int64_t r1) {
+      at::parallel_for(0, depth, row_grain(p.n, depth), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) update_row_range<kPow2, false>(p, r, 0, p.n);
       });
       return;
@@ -134,7 +139,9 @@ void query_range(const int32_t* sketch, const SketchGeometry& geo, const int64_t
     for (int64_t t0 = 0; t0 < total; t0 += count) {  // one row after the other
       for (int64_t j = 0; j < count; ++j) {
         const int64_t t = t0 + j;
-        if (t + kPrefetchDistance < total) __builtin_prefetch(sketch + cols[t + kPrefetchDistance], 0, 1);
+        if (t + kPrefetchDistance < total) {
+          __builtin_prefetch(sketch + cols[t + kPrefetchDistance], 0, 1);
+        }
         o[j] = std::min(o[j], sketch[cols[t]]);
       }
     }
@@ -144,7 +151,7 @@ void query_range(const int32_t* sketch, const SketchGeometry& geo, const int64_t
 void query(const int32_t* sketch, const SketchGeometry& geo, const int64_t* keys, int32_t* out,
            int64_t n) {
   dispatch_pow2(geo.pow2, [&](auto pow2) {
-    at::parallel_for(0, n, kChunk, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, n, kParallelMinKeys, [&](int64_t begin, int64_t end) {
       query_range<decltype(pow2)::value>(sketch, geo, keys, out, begin, end);
     });
   });
@@ -175,14 +182,14 @@ void conservative_update(const SketchUpdateParams& p) {
   }
   // Reuse `estimate` for the target value sat(e + S) of each key.
   int32_t* target = estimate.data();
-  at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, kParallelMinKeys, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) target[i] = sat_add_wide(target[i], table[slot[i]].sum);
   });
 
   // Raise every hit counter to the max of the targets of the keys hitting it (max commutes).
   dispatch_pow2(p.geo.pow2, [&](auto pow2) {
     constexpr bool kPow2 = decltype(pow2)::value;
-    at::parallel_for(0, p.geo.depth, 1, [&](int64_t r0, int64_t r1) {
+    at::parallel_for(0, p.geo.depth, row_grain(n, p.geo.depth), [&](int64_t r0, int64_t r1) {
       int64_t cols[kChunk];
       for (int64_t r = r0; r < r1; ++r) {
         int32_t* counters = p.sketch + r * p.geo.width;

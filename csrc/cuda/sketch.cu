@@ -55,7 +55,9 @@ __global__ void __launch_bounds__(kThreads) cms_plain_update_kernel(const Sketch
     uint32_t old[kSketchMaxDepth];
 #pragma unroll
     for (int r = 0; r < kSketchMaxDepth; ++r) {
-      if (r < geo.depth) old[r] = atomic_add_u32(p.sketch + r * geo.width + geo.column(key, r), inc);
+      if (r < geo.depth) {
+        old[r] = atomic_add_u32(p.sketch + r * geo.width + geo.column(key, r), inc);
+      }
     }
 #pragma unroll
     for (int r = 0; r < kSketchMaxDepth; ++r) {
@@ -95,7 +97,11 @@ __global__ void __launch_bounds__(kThreads)
     s.estimate[i] = estimate(p.sketch, p.geo, key);
     uint64_t h = sketch_dedup_hash(key) & mask;
     while (true) {
-      const int32_t owner = atomicCAS(s.table_key + h, -1, static_cast<int32_t>(i));
+      // An entry is written once, so a plain (L2) read that sees it taken is final; only an
+      // apparently empty entry needs the CAS. This keeps the duplicates of a hot key from
+      // serializing on one CAS each.
+      int32_t owner = __ldcg(s.table_key + h);
+      if (owner == -1) owner = atomicCAS(s.table_key + h, -1, static_cast<int32_t>(i));
       if (owner == -1 || p.keys[owner] == key) break;
       h = (h + 1) & mask;
     }
