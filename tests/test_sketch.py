@@ -463,3 +463,33 @@ def test_bad_inputs_mixed_devices():
         ops.cms_update(_sk().cuda(), KEYS.cuda(), torch.ones(10, dtype=torch.int32))
     with pytest.raises(RuntimeError, match=r"cms_query: keys must be on the same device"):
         ops.cms_query(_sk().cuda(), KEYS)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cuda_negative_increments(gen):
+    """On CUDA, checking increments >= 0 needs a device-to-host copy, so it runs only with
+    PAGEDSPEC_DEBUG=1 (set at process start, hence the subprocess). Without it, a negative
+    increment counts as 0: it never lowers or corrupts a counter."""
+    import os
+    import subprocess
+    import sys
+
+    if os.environ.get("PAGEDSPEC_DEBUG") != "1":
+        sketch = random_sketch(gen, 4, 1000).cuda()
+        keys = random_keys(gen, 500)
+        inc = random_increments(gen, 500, "small")
+        inc[::3] = -5
+        expected = sketch.cpu().numpy().copy()
+        np_update(expected, keys.numpy(), inc.clamp(min=0).numpy(), False)
+        ops.cms_update(sketch, keys.cuda(), inc.cuda())
+        assert np.array_equal(sketch.cpu().numpy(), expected)
+    code = ("import torch; from pagedspec import ops\n"
+            "s = torch.zeros(4, 100, dtype=torch.int32, device='cuda')\n"
+            "k = torch.arange(5, device='cuda')\n"
+            "i = torch.tensor([1, 2, -3, 4, 5], dtype=torch.int32, device='cuda')\n"
+            "try:\n    ops.cms_update(s, k, i)\nexcept RuntimeError as e:\n    print(e)\n")
+    env = dict(os.environ, PAGEDSPEC_DEBUG="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert "cms_update: increments must be >= 0, got increments[2] = -3" in out.stdout, out

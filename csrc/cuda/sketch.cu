@@ -28,8 +28,8 @@ int grid_size(int64_t n, int device) {
 // carries the counter past 2^31 - 1 sees it (old + inc > MAX) and then stores MAX. Every later add
 // to an overflowed counter also sees old + inc > MAX and stores MAX after itself; so whatever the
 // interleaving, the last operation on the counter is a store of MAX, or no add overflowed and it
-// holds the exact sum. Callers skip inc == 0. Returns whether it overflowed (the caller does the
-// store, so that all of a thread's adds are in flight before the first result is needed).
+// holds the exact sum. Callers skip inc == 0, and issue all of a key's adds before testing any
+// returned value (add_overflowed), so that they are in flight together.
 __device__ __forceinline__ uint32_t atomic_add_u32(int32_t* counter, int32_t inc) {
   return atomicAdd(reinterpret_cast<unsigned int*>(counter), static_cast<unsigned int>(inc));
 }

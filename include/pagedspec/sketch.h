@@ -71,12 +71,12 @@ struct SketchGeometry {
   }
 };
 
-// min(2^31 - 1, c + inc) for c, inc in [0, 2^31 - 1]: the sum fits in uint32, so no wider type
-// is needed. Saturating adds of nonnegative increments compose to min(MAX, c + sum), whatever
-// their order, which is why plain updates are order-independent.
+// min(2^31 - 1, c + inc) for counters and increments in [0, 2^31 - 1]. Saturating adds of
+// nonnegative increments compose to min(MAX, c + sum) whatever their order, which is why plain
+// updates are order-independent.
 PS_HOST_DEVICE int32_t sat_add(int32_t c, int32_t inc) {
-  const uint32_t s = static_cast<uint32_t>(c) + static_cast<uint32_t>(inc);
-  return s > static_cast<uint32_t>(kSketchCounterMax) ? kSketchCounterMax : static_cast<int32_t>(s);
+  const int64_t s = static_cast<int64_t>(c) + inc;
+  return s > kSketchCounterMax ? kSketchCounterMax : static_cast<int32_t>(s);
 }
 
 // min(2^31 - 1, e + s) for an estimate e >= 0 and an aggregated increment s >= 0 (s may exceed
@@ -115,7 +115,8 @@ struct SketchQueryParams {
   SketchGeometry geo;
 };
 
-// Scratch of a conservative update, which runs in phases so that its result does not depend on
+// Scratch of a conservative update on CUDA (the CPU kernel runs the same phases with a
+// sequentially built table). It runs in phases so that its result does not depend on
 // the order of keys: (1) every key's estimate before the call, (2) the sum of each distinct key's
 // increments, aggregated through an open-addressing table keyed by the index of the key's first
 // inserted occurrence, (3) every hit counter raised to max(counter, sat(estimate + sum)).
