@@ -108,13 +108,103 @@ def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, 
 # Speculative decoding verification (issue 4)
 
 
+def _draft_counts(draft_token_ids: torch.Tensor,
+                  num_draft_tokens: Optional[torch.Tensor]) -> torch.Tensor:
+    """k_b per request as int64 ``[B]`` (k when ``num_draft_tokens`` is None)."""
+    batch, k = draft_token_ids.shape
+    if num_draft_tokens is None:
+        return torch.full((batch,), k, dtype=torch.int64, device=draft_token_ids.device)
+    return num_draft_tokens.to(torch.int64)
+
+
+def _verify_output(draft_token_ids: torch.Tensor, num_accepted: torch.Tensor,
+                   emitted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, k+1]``: the accepted draft tokens, then ``emitted`` at column num_accepted, then -1."""
+    batch, k = draft_token_ids.shape
+    columns = torch.arange(k + 1, device=draft_token_ids.device)
+    padded = torch.cat([draft_token_ids, draft_token_ids.new_full((batch, 1), -1)], dim=1)
+    accepted = num_accepted[:, None]
+    output = torch.where(columns < accepted, padded, -1)
+    output = torch.where(columns == accepted, emitted[:, None], output)
+    return output, num_accepted.to(torch.int32)
+
+
+def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row of ``weights`` ``[N, V]`` (>= 0), the smallest t with ``w_t > 0`` and
+    ``sum_{s<=t} w_s > u * sum_s w_s``, with the sums in float64 (the kernels sum in float32 and
+    may differ only where u lands within float32 rounding of a CDF boundary). A row whose
+    threshold is not crossed (u = 1 or rounding) gives its last positive-weight token; a row
+    without positive weight gives 0."""
+    w = weights.to(torch.float64)
+    cdf = w.cumsum(dim=-1)
+    threshold = uniform.to(torch.float64)[:, None] * cdf[:, -1:]
+    crossing = (w > 0) & (cdf > threshold)
+    tokens = torch.arange(w.shape[-1], device=w.device)
+    first = torch.where(crossing, tokens, w.shape[-1]).min(dim=-1).values
+    last_positive = torch.where(w > 0, tokens, 0).max(dim=-1).values
+    return torch.where(crossing.any(dim=-1), first, last_positive)
+
+
+def _positive_part(x: torch.Tensor) -> torch.Tensor:
+    """max(x, 0) with NaN as 0, as the kernels read it."""
+    return torch.where(x > 0, x, torch.zeros_like(x))
+
+
 def rejection_sample(draft_token_ids, draft_probs, target_probs, uniform_accept, uniform_resample,
                      num_draft_tokens=None):
-    raise NotImplementedError("reference.rejection_sample: see issue 4")
+    """Speculative-decoding rejection sampling (CONTRACT.md), one request per row.
+
+    Accept draft token x at position i iff ``uniform_accept * q(x) < p(x)`` (q = 1 for a one-hot
+    draft); at the first rejection draw from ``max(p - q, 0)`` (or p when that has no mass) with
+    ``uniform_resample``; after k_b acceptances draw the bonus token from p at row k_b.
+    """
+    batch, k = draft_token_ids.shape
+    vocab = target_probs.shape[-1]
+    device = target_probs.device
+    rows = torch.arange(batch, device=device)
+    counts = _draft_counts(draft_token_ids, num_draft_tokens)
+
+    # The acceptance test at every drafted position; only those before the first rejection count.
+    # Ids past num_draft_tokens are never read (they may be padding such as -1).
+    positions = torch.arange(k, device=device)
+    drafted = positions < counts[:, None]
+    safe_ids = torch.where(drafted, draft_token_ids, 0)
+    ids = safe_ids.unsqueeze(-1)
+    p = target_probs[:, :k].gather(-1, ids).squeeze(-1)
+    q = draft_probs.gather(-1, ids).squeeze(-1) if draft_probs is not None else torch.ones_like(p)
+    rejected = ~(uniform_accept * q < p) & drafted
+    first_rejection = torch.where(rejected, positions, k).min(dim=-1).values if k else counts
+    num_accepted = torch.minimum(first_rejection, counts)
+    was_rejected = num_accepted < counts
+
+    # The row the emitted token is drawn from: the residual at a rejection, else the target.
+    target_row = target_probs[rows, num_accepted]
+    weights = _positive_part(target_row)
+    if k > 0:
+        draft_position = num_accepted.clamp(max=k - 1)
+        if draft_probs is not None:
+            draft_row = draft_probs[rows, draft_position]
+        else:
+            one_hot_token = safe_ids[rows, draft_position]
+            draft_row = torch.nn.functional.one_hot(one_hot_token, vocab).to(target_row.dtype)
+        residual = _positive_part(target_row - draft_row)
+        use_residual = was_rejected & (residual > 0).any(dim=-1)
+        weights = torch.where(use_residual[:, None], residual, weights)
+    emitted = inverse_cdf(weights, uniform_resample[rows, num_accepted])
+    return _verify_output(draft_token_ids, num_accepted, emitted)
 
 
 def greedy_verify(draft_token_ids, target_token_ids, num_draft_tokens=None):
-    raise NotImplementedError("reference.greedy_verify: see issue 4")
+    """Accept draft tokens while they equal the target's argmax; then emit the target token at
+    the first mismatch, or the bonus ``target_token_ids[b, k_b]`` after k_b acceptances."""
+    batch, k = draft_token_ids.shape
+    counts = _draft_counts(draft_token_ids, num_draft_tokens)
+    positions = torch.arange(k, device=draft_token_ids.device)
+    mismatch = (draft_token_ids != target_token_ids[:, :k]) & (positions < counts[:, None])
+    first_mismatch = torch.where(mismatch, positions, k).min(dim=-1).values if k else counts
+    num_accepted = torch.minimum(first_mismatch, counts)
+    emitted = target_token_ids.gather(1, num_accepted[:, None]).squeeze(1)
+    return _verify_output(draft_token_ids, num_accepted, emitted)
 
 
 # ----------------------------------------------------------------------------------------------
