@@ -211,13 +211,81 @@ def greedy_verify(draft_token_ids, target_token_ids, num_draft_tokens=None):
 # Count-min sketch (issue 5)
 
 
+# torch has no uint64 arithmetic, but int64 add and multiply wrap in two's complement, which is
+# arithmetic modulo 2^64 on the same bit patterns; only right shifts and the final modulo need care.
+CMS_COUNTER_MAX = 2**31 - 1
+_CMS_ROW_SEED = 0x9E3779B97F4A7C15
+_FMIX_C1 = 0xFF51AFD7ED558CCD
+_FMIX_C2 = 0xC4CEB9FE1A85EC53
+
+
+def _as_int64(u: int) -> int:
+    """The int64 with the bit pattern of the uint64 ``u``."""
+    u %= 2**64
+    return u - 2**64 if u >= 2**63 else u
+
+
+def _shr_logical(x: torch.Tensor, s: int) -> torch.Tensor:
+    """uint64 ``x >> s`` on int64 bit patterns (torch's ``>>`` is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _fmix64(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ _shr_logical(x, 33)
+    x = x * _as_int64(_FMIX_C1)
+    x = x ^ _shr_logical(x, 33)
+    x = x * _as_int64(_FMIX_C2)
+    return x ^ _shr_logical(x, 33)
+
+
+def _mod_uint64(x: torch.Tensor, width: int) -> torch.Tensor:
+    """uint64 ``x mod width`` on int64 bit patterns: a negative pattern is x + 2^64."""
+    r = torch.remainder(x, width)  # floor modulo: in [0, width) for every x
+    return torch.where(x < 0, torch.remainder(r + (2**64) % width, width), r)
+
+
+def cms_columns(keys: torch.Tensor, depth: int, width: int) -> torch.Tensor:
+    """Column of every key in every row, int64 ``[depth, n]``:
+    ``col_r(key) = fmix64(uint64(key) + (r + 1) * 0x9E3779B97F4A7C15) mod width``."""
+    keys = keys.to(torch.int64)
+    rows = [_mod_uint64(_fmix64(keys + _as_int64((r + 1) * _CMS_ROW_SEED)), width)
+            for r in range(depth)]
+    return torch.stack(rows) if rows else keys.new_empty((0, keys.numel()))
+
+
+def _cms_increments(keys: torch.Tensor, increments) -> torch.Tensor:
+    if increments is None:
+        return torch.ones(keys.shape, dtype=torch.int64, device=keys.device)
+    return increments.to(torch.int64)
+
+
 def cms_update(sketch, keys, increments=None, conservative=False):
-    raise NotImplementedError("reference.cms_update: see issue 5")
+    depth, width = sketch.shape
+    cols = cms_columns(keys, depth, width)
+    inc = _cms_increments(keys, increments)
+    if conservative:
+        # e(key): the estimate before the call; S(key): the key's total increment in this call.
+        estimate = cms_query(sketch, keys).to(torch.int64)
+        distinct, inverse = torch.unique(keys, return_inverse=True)
+        total = torch.zeros(distinct.shape, dtype=torch.int64,
+                            device=keys.device).index_add_(0, inverse, inc)
+        target = torch.clamp(estimate + total[inverse], max=CMS_COUNTER_MAX)
+        for r in range(depth):
+            row = sketch[r].to(torch.int64).scatter_reduce(0, cols[r], target, reduce="amax")
+            sketch[r] = row.to(torch.int32)
+        return
+    for r in range(depth):
+        row = sketch[r].to(torch.int64).index_add_(0, cols[r], inc)  # n * 2^31 fits in int64
+        sketch[r] = torch.clamp(row, max=CMS_COUNTER_MAX).to(torch.int32)
 
 
 def cms_query(sketch, keys):
-    raise NotImplementedError("reference.cms_query: see issue 5")
+    depth, width = sketch.shape
+    cols = cms_columns(keys, depth, width)
+    return torch.gather(sketch, 1, cols).amin(dim=0)
 
 
 def cms_decay(sketch, shift=1):
-    raise NotImplementedError("reference.cms_decay: see issue 5")
+    if not 0 <= shift <= 31:
+        raise ValueError(f"reference.cms_decay: shift must be in [0, 31], got {shift}")
+    sketch.copy_(sketch >> shift)
