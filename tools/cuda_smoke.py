@@ -79,8 +79,26 @@ def smoke_sampling(dev: str) -> None:
     assert all(torch.equal(w, g_.cpu()) for w, g_ in zip(want, got))
 
 
+def smoke_sketch(dev: str) -> None:
+    """Plain and conservative updates, a query and a decay: bit-identical to the CPU kernels."""
+    g = torch.Generator().manual_seed(2)
+    keys = torch.randint(-(2**62), 2**62, (5000,), generator=g)
+    keys[::7] = keys[0]  # duplicates within the batch
+    increments = torch.randint(0, 1 << 20, (5000,), generator=g, dtype=torch.int32)
+    for width in (1000, 1024):
+        want = torch.zeros(4, width, dtype=torch.int32)
+        got = want.to(dev)
+        for conservative in (False, True):
+            ops.cms_update(want, keys, increments, conservative)
+            ops.cms_update(got, keys.to(dev), increments.to(dev), conservative)
+        ops.cms_decay(want, 3)
+        ops.cms_decay(got, 3)
+        assert torch.equal(got.cpu(), want)
+        assert torch.equal(ops.cms_query(got, keys.to(dev)).cpu(), ops.cms_query(want, keys))
+
+
 SMOKES = {"reshape_and_cache": smoke_cache, "quantize_fp8": smoke_fp8,
-          "rejection_sample": smoke_sampling}
+          "rejection_sample": smoke_sampling, "cms_update": smoke_sketch}
 
 
 def main() -> int:
