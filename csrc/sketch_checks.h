@@ -26,15 +26,16 @@ inline SketchGeometry check_sketch(const char* op, const at::Tensor& sketch) {
   return SketchGeometry::make(static_cast<int>(sketch.size(0)), sketch.size(1));
 }
 
-// keys: int64 [n], contiguous, on the sketch's device; n < 2^31 (the conservative update indexes
-// keys with int32).
+// keys: int64 [n], contiguous, on the sketch's device; n <= 2^30: the conservative update's
+// de-duplication table has the next power of two >= 2n slots, indexed with int32.
 inline void check_sketch_keys(const char* op, const at::Tensor& keys, const at::Tensor& sketch) {
   check_dtype(op, "keys", keys, {at::kLong});
   check_dim(op, "keys", keys, 1);
   check_contiguous(op, "keys", keys);
   check_same_device(op, "keys", keys, "sketch", sketch);
-  TORCH_CHECK(keys.size(0) <= std::numeric_limits<int32_t>::max(), "pagedspec.", op,
-              ": keys must have fewer than 2^31 elements, got ", keys.size(0));
+  TORCH_CHECK(keys.size(0) <= (int64_t(1) << 30), "pagedspec.", op,
+              ": keys must have at most 2^30 elements (split larger batches), got ",
+              keys.size(0));
 }
 
 // increments: int32 [n], contiguous, on the sketch's device (values are checked separately).
