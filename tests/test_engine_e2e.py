@@ -212,3 +212,20 @@ def test_preemption_keeps_greedy_outputs(spec_model, gen, mode, k):
     bm = decoder.scheduler.block_manager
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_docstring_example_runs():
+    import textwrap
+
+    import pagedspec.engine.speculative as speculative
+    lines = []                       # the indented block after "::"
+    for line in speculative.__doc__.split("::", 1)[1].splitlines()[1:]:
+        if line.strip() and not line.startswith("    "):
+            break
+        lines.append(line)
+    example = textwrap.dedent("\n".join(lines))
+    scope: dict = {}
+    exec(example, scope)
+    outputs = scope["outputs"]
+    assert [len(o) for o in outputs] == [16, 16]
+    assert all(0 <= t < VOCAB for o in outputs for t in o)
