@@ -116,12 +116,14 @@ class SpeculativeDecoder:
         if not has_rows:
             return sampled
         dev = logits.device
-        num_drafts = torch.tensor([batch.num_draft_tokens[i] for i in has_rows], dtype=torch.int32)
-        k = int(num_drafts.max())
-        drafts = torch.zeros((len(has_rows), k), dtype=torch.int64)  # padding is never read
-        for row, i in enumerate(has_rows):
-            drafts[row, :num_drafts[row]] = torch.tensor(
-                batch.seqs[i].draft_token_ids[:batch.num_draft_tokens[i]], dtype=torch.int64)
+        ks = [batch.num_draft_tokens[i] for i in has_rows]
+        k = max(ks)
+        assert logits.shape[0] == sum(ks) + len(ks), "logits rows != 1 + drafts per sequence"
+        # Drafts padded to k with token 0; the ops never read past num_draft_tokens.
+        drafts = torch.tensor([batch.seqs[i].draft_token_ids[:k_i] + [0] * (k - k_i)
+                               for i, k_i in zip(has_rows, ks)], dtype=torch.int64)
+        drafts = drafts.view(len(ks), k)
+        num_drafts = torch.tensor(ks, dtype=torch.int32)
         # Row j of request b is logits row first_b + min(j, k_b): padding repeats the last row.
         first = torch.cumsum(num_drafts + 1, 0) - (num_drafts + 1)
         rows = first[:, None] + torch.minimum(torch.arange(k + 1), num_drafts[:, None])
@@ -136,7 +138,7 @@ class SpeculativeDecoder:
         out, accepted = out.tolist(), accepted.tolist()
         for row, i in enumerate(has_rows):
             sampled[i] = out[row][:accepted[row] + 1]
-            self.num_drafted += batch.num_draft_tokens[i]
+            self.num_drafted += ks[row]
             self.num_accepted += accepted[row]
         return sampled
 
