@@ -99,9 +99,54 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 # Paged attention (issue 3)
 
 
-def paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
-                    max_q_len, scale, k_scale=None, v_scale=None, lse=None, attn_mass=None):
-    raise NotImplementedError("reference.paged_attention: see issue 3")
+def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                    value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, max_q_len: int, scale: float,
+                    k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+                    lse: Optional[torch.Tensor] = None,
+                    attn_mass: Optional[torch.Tensor] = None) -> None:
+    """Paged attention for decode and verification, computed in float32 sequence by sequence.
+
+    Gathers each sequence's K/V through its block table (only positions < seq_len, so unused
+    slots are never read), dequantizes FP8 (stored * scale), and applies causal softmax attention:
+    query token j of a sequence with q_len query tokens sees positions 0 .. seq_len - q_len + j.
+    Writes ``out`` (query's dtype), ``lse`` (natural log, float32 [T, Hq]) and adds the attention
+    probability per slot, summed over heads and query tokens, into ``attn_mass``. ``max_q_len`` is
+    only a bound; the lengths come from ``cu_seqlens_q``.
+    """
+    num_heads, head_size = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    flat_k = key_cache.view(-1, num_kv_heads, head_size)  # [NB * BS, Hkv, D]
+    flat_v = value_cache.view(-1, num_kv_heads, head_size)
+    cu = cu_seqlens_q.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        first, last = cu[i], cu[i + 1]
+        q_len = last - first
+        if q_len == 0:
+            continue
+        positions = torch.arange(seq_len, device=query.device)
+        slots = block_tables[i].long()[positions // block_size] * block_size + positions % block_size
+        k = dequantize_cache(flat_k[slots], k_scale)  # [S, Hkv, D] float32
+        v = dequantize_cache(flat_v[slots], v_scale)
+        k = k.repeat_interleave(group, dim=1)  # [S, Hq, D]: head h reads KV head h // group
+        v = v.repeat_interleave(group, dim=1)
+        q = query[first:last].float()  # [L, Hq, D]
+        logits = torch.einsum("lhd,shd->hls", q, k) * scale  # [Hq, L, S]
+        limit = seq_len - q_len + torch.arange(q_len, device=query.device)  # [L]
+        masked = positions[None, :] > limit[:, None]  # [L, S]
+        logits = logits.masked_fill(masked, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        out[first:last] = torch.einsum("hls,shd->lhd", probs, v).to(out.dtype)
+        if lse is not None:
+            lse[first:last] = torch.logsumexp(logits, dim=-1).transpose(0, 1)
+        if attn_mass is not None:
+            attn_mass.index_add_(0, slots, probs.sum(dim=(0, 1)))
+
+
+# v1 and v2 differ only in how the kernels split the work; they mean the same thing.
+paged_attention_v1 = paged_attention
+paged_attention_v2 = paged_attention
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,203 @@
+// Validation for paged_attention_v1 / v2 / paged_attention, shared by the CPU and CUDA launchers so
+// both reject the same inputs with the same messages. Checks on the contents of the index tensors
+// (need a device-to-host copy on CUDA) are in check_attention_indices, which the CPU launcher
+// always runs and the CUDA launcher runs only with PAGEDSPEC_DEBUG=1.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include "checks.h"
+#include "pagedspec/attention.h"
+
+namespace pagedspec {
+
+// Head sizes the kernels are built for (the CUDA kernels are specialized on them).
+constexpr int kAttentionHeadSizes[] = {64, 80, 96, 112, 128, 256};
+
+inline bool attention_head_size_supported(int64_t head_size) {
+  for (int d : kAttentionHeadSizes) {
+    if (d == head_size) return true;
+  }
+  return false;
+}
+
+// Block sizes: a power of two up to 1024 (the kernels split positions with shifts and masks).
+inline bool attention_block_size_supported(int64_t block_size) {
+  return block_size >= 1 && block_size <= 1024 && (block_size & (block_size - 1)) == 0;
+}
+
+// Validated shapes and formats of one call.
+struct AttentionArgs {
+  CacheFormat format;
+  ScaleRef k_scale;
+  ScaleRef v_scale;
+  int64_t num_tokens;
+  int64_t num_seqs;
+  int64_t num_heads;
+  int64_t num_kv_heads;
+  int64_t head_size;
+  int64_t num_blocks;
+  int64_t block_size;
+  int64_t max_blocks_per_seq;
+  int64_t max_q_len;
+
+  // Longest context the block table can describe: the host-side bound used to size the v2
+  // scratch buffers and by the dispatcher (the real seq_lens live on the device).
+  // Bound on q_len for sizing launches: the caller's max_q_len, but never above num_tokens.
+  int64_t launch_max_q_len() const { return std::min(max_q_len, num_tokens); }
+  int block_shift() const {
+    int shift = 0;
+    while ((int64_t(1) << shift) < block_size) ++shift;
+    return shift;
+  }
+  int64_t max_context() const { return max_blocks_per_seq * block_size; }
+  int64_t max_partitions() const {
+    return std::max<int64_t>(1, (max_context() + kPartitionSize - 1) / kPartitionSize);
+  }
+};
+
+// Shapes, dtypes, devices and layouts. `allow_float32`: float32 queries are a CPU-only feature.
+inline AttentionArgs check_attention(const char* op, const at::Tensor& out,
+                                     const at::Tensor& query, const at::Tensor& key_cache,
+                                     const at::Tensor& value_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                                     int64_t max_q_len, const c10::optional<at::Tensor>& k_scale,
+                                     const c10::optional<at::Tensor>& v_scale,
+                                     const c10::optional<at::Tensor>& lse,
+                                     const c10::optional<at::Tensor>& attn_mass,
+                                     bool allow_float32) {
+  if (allow_float32) {
+    check_dtype(op, "query", query, {at::kHalf, at::kBFloat16, at::kFloat});
+  } else {
+    check_dtype(op, "query", query, {at::kHalf, at::kBFloat16});
+  }
+  check_dim(op, "query", query, 3);
+  TORCH_CHECK(query.stride(2) == 1, "pagedspec.", op,
+              ": query must be contiguous in the last (head_size) dimension, got strides ",
+              query.strides());
+  check_same_dtype(op, "out", out, "query", query);
+  check_shape(op, "out", out, query.sizes());
+  TORCH_CHECK(out.stride(2) == 1, "pagedspec.", op,
+              ": out must be contiguous in the last (head_size) dimension, got strides ",
+              out.strides());
+
+  for (const auto& [name, cache] : {std::pair<const char*, const at::Tensor*>{"key_cache", &key_cache},
+                                    {"value_cache", &value_cache}}) {
+    check_dim(op, name, *cache, 4);
+    check_contiguous(op, name, *cache);
+  }
+  const CacheFormat format = cache_format(op, "key_cache", key_cache);
+  check_same_dtype(op, "value_cache", value_cache, "key_cache", key_cache);
+  check_shape(op, "value_cache", value_cache, key_cache.sizes());
+  if (format == CacheFormat::kNative) {
+    TORCH_CHECK(key_cache.scalar_type() == query.scalar_type(), "pagedspec.", op,
+                ": key_cache must have query's dtype (", query.scalar_type(),
+                ") or an FP8 dtype (Float8_e4m3fn, Float8_e5m2), got ", key_cache.scalar_type());
+  }
+
+  const int64_t num_tokens = query.size(0);
+  const int64_t num_heads = query.size(1);
+  const int64_t head_size = query.size(2);
+  const int64_t num_blocks = key_cache.size(0);
+  const int64_t block_size = key_cache.size(1);
+  const int64_t num_kv_heads = key_cache.size(2);
+  check_size(op, "key_cache", key_cache, 3, head_size, "head_size of query");
+  TORCH_CHECK(attention_head_size_supported(head_size), "pagedspec.", op,
+              ": query.size(2) (head_size) must be one of {64, 80, 96, 112, 128, 256}, got ",
+              head_size);
+  TORCH_CHECK(attention_block_size_supported(block_size), "pagedspec.", op,
+              ": key_cache.size(1) (block_size) must be a power of two in [1, 1024], got ",
+              block_size);
+  TORCH_CHECK(num_kv_heads >= 1 && num_heads % num_kv_heads == 0, "pagedspec.", op,
+              ": query.size(1) (num_heads = ", num_heads,
+              ") must be a multiple of key_cache.size(2) (num_kv_heads), got num_kv_heads = ",
+              num_kv_heads);
+
+  check_dtype(op, "block_tables", block_tables, {at::kInt});
+  check_dim(op, "block_tables", block_tables, 2);
+  check_contiguous(op, "block_tables", block_tables);
+  check_dtype(op, "seq_lens", seq_lens, {at::kInt});
+  check_dim(op, "seq_lens", seq_lens, 1);
+  check_contiguous(op, "seq_lens", seq_lens);
+  const int64_t num_seqs = seq_lens.size(0);
+  check_size(op, "block_tables", block_tables, 0, num_seqs, "num_seqs of seq_lens");
+  check_dtype(op, "cu_seqlens_q", cu_seqlens_q, {at::kInt});
+  check_dim(op, "cu_seqlens_q", cu_seqlens_q, 1);
+  check_contiguous(op, "cu_seqlens_q", cu_seqlens_q);
+  check_size(op, "cu_seqlens_q", cu_seqlens_q, 0, num_seqs + 1, "num_seqs + 1");
+  TORCH_CHECK(max_q_len >= 0, "pagedspec.", op, ": max_q_len must be >= 0, got ", max_q_len);
+  TORCH_CHECK(num_tokens == 0 || max_q_len >= 1, "pagedspec.", op,
+              ": max_q_len must be >= 1 when there are query tokens, got ", max_q_len);
+  TORCH_CHECK(num_tokens < (int64_t(1) << 31) && num_blocks * block_size < (int64_t(1) << 31),
+              "pagedspec.", op, ": num_tokens and num_blocks * block_size must fit in int32");
+
+  if (lse.has_value()) {
+    check_dtype(op, "lse", *lse, {at::kFloat});
+    check_shape(op, "lse", *lse, {num_tokens, num_heads});
+    check_contiguous(op, "lse", *lse);
+  }
+  if (attn_mass.has_value()) {
+    check_dtype(op, "attn_mass", *attn_mass, {at::kFloat});
+    check_shape(op, "attn_mass", *attn_mass, {num_blocks * block_size});
+    check_contiguous(op, "attn_mass", *attn_mass);
+  }
+
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"out", &out},
+                                {"key_cache", &key_cache},
+                                {"value_cache", &value_cache},
+                                {"block_tables", &block_tables},
+                                {"seq_lens", &seq_lens},
+                                {"cu_seqlens_q", &cu_seqlens_q}}) {
+    check_same_device(op, name, *t, "query", query);
+  }
+  if (lse.has_value()) check_same_device(op, "lse", *lse, "query", query);
+  if (attn_mass.has_value()) check_same_device(op, "attn_mass", *attn_mass, "query", query);
+
+  AttentionArgs args{format,     ScaleRef{nullptr, false}, ScaleRef{nullptr, false},
+                     num_tokens, num_seqs,     num_heads,    num_kv_heads,
+                     head_size,  num_blocks,   block_size,   block_tables.size(1),
+                     max_q_len};
+  if (format != CacheFormat::kNative) {
+    args.k_scale = make_scale_ref(op, "k_scale", k_scale, num_kv_heads, query.device());
+    args.v_scale = make_scale_ref(op, "v_scale", v_scale, num_kv_heads, query.device());
+  }
+  return args;
+}
+
+// Host-side checks of the index contents; the tensors must be on the CPU. cu_seqlens_q starts at
+// 0, never decreases and ends at num_tokens; every q_len <= max_q_len and <= seq_len; seq_len
+// fits the block table; every block a sequence uses is a valid block id.
+inline void check_attention_indices(const char* op, const AttentionArgs& args,
+                                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                    const at::Tensor& cu_seqlens_q) {
+  const int* tables = block_tables.const_data_ptr<int>();
+  const int* lens = seq_lens.const_data_ptr<int>();
+  const int* cu = cu_seqlens_q.const_data_ptr<int>();
+  TORCH_CHECK(cu[0] == 0, "pagedspec.", op, ": cu_seqlens_q[0] must be 0, got ", cu[0]);
+  TORCH_CHECK(cu[args.num_seqs] == args.num_tokens, "pagedspec.", op, ": cu_seqlens_q[",
+              args.num_seqs, "] must equal num_tokens (query.size(0) = ", args.num_tokens,
+              "), got ", cu[args.num_seqs]);
+  for (int64_t i = 0; i < args.num_seqs; ++i) {
+    const int64_t q_len = int64_t(cu[i + 1]) - cu[i];
+    TORCH_CHECK(q_len >= 0, "pagedspec.", op, ": cu_seqlens_q must be non-decreasing, got ",
+                "cu_seqlens_q[", i, "] = ", cu[i], " > cu_seqlens_q[", i + 1, "] = ", cu[i + 1]);
+    TORCH_CHECK(q_len <= args.max_q_len, "pagedspec.", op, ": max_q_len (", args.max_q_len,
+                ") must bound every q_len, got q_len = ", q_len, " for sequence ", i);
+    const int64_t seq_len = lens[i];
+    TORCH_CHECK(seq_len >= q_len, "pagedspec.", op, ": seq_lens[", i,
+                "] must be >= its q_len (the query tokens are in the cache), got seq_len = ",
+                seq_len, ", q_len = ", q_len);
+    TORCH_CHECK(seq_len <= args.max_context(), "pagedspec.", op, ": seq_lens[", i,
+                "] must be <= block_tables.size(1) * block_size = ", args.max_context(),
+                " (beyond the block table), got ", seq_len);
+    const int64_t used = (seq_len + args.block_size - 1) / args.block_size;
+    for (int64_t b = 0; b < used; ++b) {
+      const int block = tables[i * args.max_blocks_per_seq + b];
+      TORCH_CHECK(block >= 0 && block < args.num_blocks, "pagedspec.", op, ": block_tables[", i,
+                  ", ", b, "] must be a block id in [0, ", args.num_blocks, "), got ", block);
+    }
+  }
+}
+
+}  // namespace pagedspec

@@ -1,0 +1,735 @@
+// CPU kernels for paged_attention_v1 / paged_attention_v2 / paged_attention.
+//
+// A task is (sequence, KV head, chunk of query rows, range of positions). Its query rows are all
+// query tokens x all query heads of that KV head's group, so each K/V row is read from memory
+// once per task and used by every row. Positions are walked in tiles of kTile: the tile's K rows
+// are decoded to float once (FP8 through a 256-entry table built with the shared codec), scored
+// against every row, folded into each row's online-softmax state (include/pagedspec/attention.h,
+// the same helpers as the CUDA kernels), then the tile's V rows are decoded and accumulated.
+// Positions a row may not see (past its causal limit, or past seq_len) are never read: the loops
+// stop at each row's limit, so NaN or garbage in unused slots cannot reach the output.
+//
+// v1: one task per (sequence, KV head, row chunk) over the whole context.
+// v2: one task per (sequence, KV head, row chunk, partition of kPartitionSize positions) writing
+//     a partial (acc, max, sum), then a merge over partitions with merge_softmax.
+// attn_mass: a separate pass after the final LSE is known (see mass_pass), so the fast path pays
+//     nothing for it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "attention_checks.h"
+#include "cpu/cpu_types.h"
+#include "pagedspec/attention.h"
+
+namespace pagedspec {
+namespace {
+
+constexpr int kTile = 32;      // positions decoded and scored together
+constexpr int kMaxRows = 32;   // query rows (tokens x heads of one group) per task
+constexpr int kMassTile = 256; // positions per attn_mass task
+constexpr int kScoreTokens = 4; // key rows per score block (with 4 query rows: 16 dot products)
+
+// 16-float vectors: AVX-512 registers when the build has them, otherwise arrays the compiler
+// vectorizes for whatever it targets. Every supported head size is a multiple of 16.
+constexpr int kLanes = 16;
+#if defined(__AVX512F__)
+using vfloat = __m512;
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vfloat v) { return _mm512_reduce_add_ps(v); }
+#else
+struct vfloat {
+  float v[kLanes];
+};
+inline vfloat vload(const float* p) {
+  vfloat r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = p[i];
+  return r;
+}
+inline void vstore(float* p, vfloat x) {
+  for (int i = 0; i < kLanes; ++i) p[i] = x.v[i];
+}
+inline vfloat vset1(float x) {
+  vfloat r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = x;
+  return r;
+}
+inline vfloat vzero() { return vset1(0.0f); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
+  for (int i = 0; i < kLanes; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+inline float vsum(vfloat x) {
+  for (int w = kLanes / 2; w > 0; w /= 2) {
+    for (int i = 0; i < w; ++i) x.v[i] += x.v[i + w];
+  }
+  return x.v[0];
+}
+#endif
+
+// w[i] = exp2(w[i] - max) for i < n (the softmax weights of a tile); returns their sum. Lanes
+// from n up to the next multiple of 16 are set to 0. The AVX-512 path evaluates 2^x as
+// 2^round(x) * p(x - round(x)) with p the degree-7 Taylor polynomial of e^(f ln 2) on |f| <= 1/2
+// (truncation error < 6e-9, below float rounding); elsewhere it is the scalar softmax_exp2.
+inline float exp2_weights(float* w, int n, float max) {
+#if defined(__AVX512F__)
+  constexpr float c[8] = {1.0f,          0.69314718f,   0.24022651f,  0.055504109f,
+                          0.0096181291f, 0.0013333558f, 1.5403530e-4f, 1.5252734e-5f};
+  __m512 total = _mm512_setzero_ps();
+  const __m512 vmax = _mm512_set1_ps(max);
+  for (int i = 0; i < n; i += kLanes) {
+    __m512 x = _mm512_sub_ps(_mm512_loadu_ps(w + i), vmax);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+    const __m512 k = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, k);
+    __m512 p = _mm512_set1_ps(c[7]);
+    for (int j = 6; j >= 0; --j) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[j]));
+    const __mmask16 live = n - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, k));
+    _mm512_storeu_ps(w + i, e);
+    total = _mm512_add_ps(total, e);
+  }
+  return _mm512_reduce_add_ps(total);
+#else
+  float sum = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    w[i] = softmax_exp2(w[i] - max);
+    sum += w[i];
+  }
+  for (int i = n; i % kLanes != 0; ++i) w[i] = 0.0f;
+  return sum;
+#endif
+}
+
+// Reads 16 cache elements as floats. Native caches convert exactly as ScalarConvert does (with
+// AVX-512, bf16 is a 16-bit shift and fp16 the hardware conversion); FP8 caches look codes up in
+// a table of CacheCodec::decode(code, scale) for the task's head, which is exactly stored * scale.
+template <typename CacheT, CacheFormat F>
+struct CacheReader {
+  float table[256];
+
+  void init(float scale) {
+    if constexpr (F != CacheFormat::kNative) {
+      for (int c = 0; c < 256; ++c) table[c] = CacheCodec<uint8_t, F>::decode(uint8_t(c), scale);
+    }
+  }
+
+  vfloat load16(const CacheT* __restrict p) const {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<CacheT, float>) {
+      return _mm512_loadu_ps(p);
+    } else if constexpr (std::is_same_v<CacheT, c10::BFloat16>) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    } else if constexpr (std::is_same_v<CacheT, c10::Half>) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    }
+#endif
+    alignas(64) float tmp[kLanes];
+    if constexpr (F == CacheFormat::kNative) {
+      for (int i = 0; i < kLanes; ++i) tmp[i] = ScalarConvert<CacheT>::to_float(p[i]);
+    } else {
+      for (int i = 0; i < kLanes; ++i) tmp[i] = table[p[i]];
+    }
+    return vload(tmp);
+  }
+};
+
+#if defined(__AVX512F__)
+// Horizontal sums of 16 vectors at once: lane i of the result is the sum of x[i]'s lanes. Each
+// level adds the two halves of every input's live lanes while packing two inputs into one
+// vector (16 -> 8 -> 4 -> 2 -> 1 live lanes per input): 30 permutes and 15 adds for 16 sums,
+// against 8 operations per sum for one reduction at a time.
+struct Sum16Tables {
+  alignas(64) int lo[4][16];
+  alignas(64) int hi[4][16];
+};
+
+constexpr Sum16Tables make_sum16_tables() {
+  Sum16Tables t{};
+  int live = 16;
+  for (int level = 0; level < 4; ++level) {
+    live /= 2;
+    const int per_operand = 16 / (2 * live);  // inputs each operand holds at this level
+    // Output lane j: input j / live of the pair (the first operand's, then the second's), its
+    // lane j % live plus the lane `live` above it.
+    for (int j = 0; j < 16; ++j) {
+      const int input = j / live;
+      const int src = (input % per_operand) * 2 * live + j % live + (input >= per_operand ? 16 : 0);
+      t.lo[level][j] = src;
+      t.hi[level][j] = src + live;
+    }
+  }
+  return t;
+}
+
+inline __m512 sum16(const __m512* x) {
+  static constexpr Sum16Tables kTables = make_sum16_tables();
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i) v[i] = x[i];
+  for (int level = 0, n = 16; n > 1; ++level, n /= 2) {
+    const __m512i lo = _mm512_load_si512(kTables.lo[level]);
+    const __m512i hi = _mm512_load_si512(kTables.hi[level]);
+    for (int i = 0; i < n / 2; ++i) {
+      v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], lo, v[2 * i + 1]),
+                           _mm512_permutex2var_ps(v[2 * i], hi, v[2 * i + 1]));
+    }
+  }
+  return v[0];
+}
+#endif
+
+// out[r * NT + t] = q[r] . k[t] for NR query rows (stride D) and NT key rows read straight from
+// the cache: each key vector is decoded once for all NR rows, each query vector loaded once for
+// all NT keys.
+template <int NR, int NT, typename CacheT, CacheFormat F>
+inline void score_block(const float* __restrict q, const CacheT* const* k,
+                        const CacheReader<CacheT, F>& reader, int D, float* out) {
+  vfloat acc[NR][NT];
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) acc[r][t] = vzero();
+  }
+  for (int d = 0; d < D; d += kLanes) {
+    vfloat kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = reader.load16(k[t] + d);
+    for (int r = 0; r < NR; ++r) {
+      const vfloat qv = vload(q + r * D + d);
+      for (int t = 0; t < NT; ++t) acc[r][t] = vfma(qv, kv[t], acc[r][t]);
+    }
+  }
+#if defined(__AVX512F__)
+  if constexpr (NR * NT == 16) {
+    _mm512_storeu_ps(out, sum16(&acc[0][0]));
+    return;
+  }
+#endif
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) out[r * NT + t] = vsum(acc[r][t]);
+  }
+}
+
+// acc[r] += sum_t w[r][t] * v[t] for NR rows (acc stride D, w stride kTile) over n value rows
+// read straight from the cache. The accumulators stay in registers across the rows and each V
+// vector is decoded once for all NR rows.
+template <int NR, typename CacheT, CacheFormat F>
+inline void accumulate_block(float* __restrict acc, const float* __restrict w,
+                             const CacheT* const* v, const CacheReader<CacheT, F>& reader, int n,
+                             int D, int w_stride) {
+  for (int d = 0; d < D; d += kLanes) {
+    vfloat a[NR];
+    for (int r = 0; r < NR; ++r) a[r] = vload(acc + r * D + d);
+    for (int t = 0; t < n; ++t) {
+      const vfloat vv = reader.load16(v[t] + d);
+      for (int r = 0; r < NR; ++r) a[r] = vfma(vset1(w[r * w_stride + t]), vv, a[r]);
+    }
+    for (int r = 0; r < NR; ++r) vstore(acc + r * D + d, a[r]);
+  }
+}
+
+// Asks for the cache lines of `bytes` bytes at `ptr`. Each (position, KV head) row is only
+// D * elem_size bytes, scattered by the block table, so the hardware prefetchers cannot run ahead;
+// the kernel prefetches a tile ahead instead.
+inline void prefetch_row(const void* ptr, int bytes) {
+  const char* p = static_cast<const char*>(ptr);
+  for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
+inline void scale_row(float* __restrict y, float a, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) y[i] *= a;
+}
+
+// One unit of work. Rows are numbered within the sequence as row = j * G + g for query token j
+// and head g of the group, so the rows of one query token are adjacent.
+struct Task {
+  int seq;
+  int kv_head;
+  int row_begin;
+  int num_rows;
+  int pos_begin;
+  int pos_end;
+  int partition;  // v2 partition index (0 for v1)
+};
+
+// Where a row's query lives and what it may see.
+struct RowInfo {
+  int token;  // index into query / out / lse
+  int head;   // query head
+  int limit;  // last visible position (inclusive)
+};
+
+template <typename QT, typename CacheT, CacheFormat F>
+class CpuPagedAttention {
+ public:
+  explicit CpuPagedAttention(const PagedAttentionParams<QT, CacheT>& p) : p_(p) {}
+
+  RowInfo row_info(int seq, int kv_head, int row) const {
+    const int G = p_.group_size();
+    const int first = p_.cu_seqlens_q[seq];
+    const int q_len = p_.cu_seqlens_q[seq + 1] - first;
+    const int j = row / G;
+    return RowInfo{first + j, kv_head * G + row % G, causal_limit(p_.seq_lens[seq], q_len, j)};
+  }
+
+  // Per-thread scratch, sized once per parallel_for chunk.
+  struct Workspace {
+    std::vector<float> q, acc, w;
+    std::vector<RowInfo> rows;
+    std::vector<SoftmaxState> state;
+    std::vector<int> visible;
+    const CacheT* krows[kTile];
+    const CacheT* vrows[kTile];
+    const CacheT* next_krows[kTile];  // null past the end
+    CacheReader<CacheT, F> kreader, vreader;
+
+    explicit Workspace(int D)
+        : q(size_t(kMaxRows) * D), acc(size_t(kMaxRows) * D), w(size_t(kMaxRows) * kTile),
+          rows(kMaxRows), state(kMaxRows), visible(kMaxRows) {}
+  };
+
+  // Loads the task's query rows, scaled into the log2 domain.
+  void load_queries(const Task& task, Workspace& ws) const {
+    const int D = p_.head_size;
+    const float q_scale = p_.scale * kLog2e;
+    for (int r = 0; r < task.num_rows; ++r) {
+      const RowInfo info = row_info(task.seq, task.kv_head, task.row_begin + r);
+      ws.rows[r] = info;
+      const QT* src = p_.query + int64_t(info.token) * p_.q_token_stride +
+                      int64_t(info.head) * p_.q_head_stride;
+      float* dst = ws.q.data() + size_t(r) * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) dst[d] = ScalarConvert<QT>::to_float(src[d]) * q_scale;
+    }
+  }
+
+  // Locates the tile's n K and V rows and the next tile's K rows (prefetched while this tile is
+  // scored), and counts what each row may see of this tile.
+  int locate_tile(const Task& task, Workspace& ws, int start, int n, int next_n) const {
+    for (int t = 0; t < n; ++t) {
+      const int64_t off = p_.cache_offset(task.seq, start + t, task.kv_head);
+      ws.krows[t] = p_.key_cache + off;
+      ws.vrows[t] = p_.value_cache + off;
+    }
+    for (int t = 0; t < kTile; ++t) {
+      ws.next_krows[t] = t < next_n
+          ? p_.key_cache + p_.cache_offset(task.seq, start + kTile + t, task.kv_head)
+          : nullptr;
+    }
+    int n_needed = 0;
+    for (int r = 0; r < task.num_rows; ++r) {
+      ws.visible[r] = std::clamp(ws.rows[r].limit - start + 1, 0, n);
+      n_needed = std::max(n_needed, ws.visible[r]);
+    }
+    return n_needed;
+  }
+
+  // ws.w[r][t] = q[r] . k[t] for every row and every position it may see, blocks of four rows
+  // and kScoreTokens positions. Rows ascend in query token, so the last row of a group sees the most.
+  void score_tile(int R, Workspace& ws, bool want_values) const {
+    const int D = p_.head_size;
+    const int row_bytes = D * int(sizeof(CacheT));
+    for (int r0 = 0; r0 < R; r0 += 4) {
+      const int nr = std::min(4, R - r0);
+      const int group_visible = ws.visible[r0 + nr - 1];
+      with_rows(nr, [&](auto NR) {
+        float out[4 * kScoreTokens];
+        const float* q = ws.q.data() + size_t(r0) * D;
+        int t = 0;
+        for (; t + kScoreTokens <= group_visible; t += kScoreTokens) {
+          if (r0 == 0) {
+            // Prefetches interleaved with the work keep a steady number of misses in flight:
+            // this tile's V rows (read after the scores) and the next tile's K rows.
+            for (int i = t; i < t + kScoreTokens; ++i) {
+              if (want_values) prefetch_row(ws.vrows[i], row_bytes);
+              if (ws.next_krows[i] != nullptr) prefetch_row(ws.next_krows[i], row_bytes);
+            }
+          }
+          score_block<NR, kScoreTokens>(q, ws.krows + t, ws.kreader, D, out);
+          for (int i = 0; i < NR; ++i) {
+            for (int j = 0; j < kScoreTokens; ++j) ws.w[(r0 + i) * kTile + t + j] = out[i * kScoreTokens + j];
+          }
+        }
+        for (; t < group_visible; ++t) {
+          if (r0 == 0) {
+            if (want_values) prefetch_row(ws.vrows[t], row_bytes);
+            if (ws.next_krows[t] != nullptr) prefetch_row(ws.next_krows[t], row_bytes);
+          }
+          score_block<NR, 1>(q, ws.krows + t, ws.kreader, D, out);
+          for (int i = 0; i < NR; ++i) ws.w[(r0 + i) * kTile + t] = out[i];
+        }
+      });
+    }
+  }
+
+  template <typename Fn>
+  static void with_rows(int nr, Fn&& fn) {
+    switch (nr) {
+      case 4: fn(std::integral_constant<int, 4>{}); break;
+      case 3: fn(std::integral_constant<int, 3>{}); break;
+      case 2: fn(std::integral_constant<int, 2>{}); break;
+      default: fn(std::integral_constant<int, 1>{}); break;
+    }
+  }
+
+  // Online softmax of the task's rows over [pos_begin, pos_end): leaves each row's state in
+  // ws.state and its unnormalized accumulator (sum of weight * v) in ws.acc.
+  void attend(const Task& task, Workspace& ws) const {
+    const int D = p_.head_size;
+    const int R = task.num_rows;
+    load_queries(task, ws);
+    ws.kreader.init(p_.k_scale.at(task.kv_head));
+    ws.vreader.init(p_.v_scale.at(task.kv_head));
+    std::fill(ws.acc.begin(), ws.acc.begin() + size_t(R) * D, 0.0f);
+    std::fill(ws.state.begin(), ws.state.begin() + R, SoftmaxState::empty());
+    // Rows are in query-token order, so the last row sees the furthest.
+    const int pos_end = std::min(task.pos_end, ws.rows[R - 1].limit + 1);
+    for (int start = task.pos_begin; start < pos_end; start += kTile) {
+      const int n = std::min(kTile, pos_end - start);
+      const int n_needed = locate_tile(task, ws, start, n, std::min(kTile, pos_end - start - kTile));
+      if (start == task.pos_begin) {
+        for (int t = 0; t < n; ++t) prefetch_row(ws.krows[t], D * int(sizeof(CacheT)));
+      }
+      score_tile(R, ws, true);
+      // Online softmax per row. Weights past a row's limit are exactly 0, and the V rows read
+      // below are positions < seq_len only (written values), so nothing masked can leak in.
+      for (int r = 0; r < R; ++r) {
+        const int visible = ws.visible[r];
+        float* w = ws.w.data() + r * kTile;
+        if (visible > 0) {
+          float tile_max = neg_inf();
+          for (int t = 0; t < visible; ++t) tile_max = std::max(tile_max, w[t]);
+          SoftmaxState& st = ws.state[r];
+          const float factor = st.raise_max(tile_max);
+          if (factor != 1.0f) scale_row(ws.acc.data() + size_t(r) * D, factor, D);
+          st.sum += exp2_weights(w, visible, st.max);
+        }
+        for (int t = visible; t < n_needed; ++t) w[t] = 0.0f;
+      }
+      for (int r0 = 0; r0 < R; r0 += 4) {
+        const int nr = std::min(4, R - r0);
+        with_rows(nr, [&](auto NR) {
+          accumulate_block<NR>(ws.acc.data() + size_t(r0) * D, ws.w.data() + r0 * kTile,
+                               ws.vrows, ws.vreader, ws.visible[r0 + nr - 1], D, kTile);
+        });
+      }
+    }
+  }
+
+  // v1 epilogue: out = acc / sum, lse.
+  void write_final(const Task& task, const Workspace& ws) const {
+    const int D = p_.head_size;
+    for (int r = 0; r < task.num_rows; ++r) {
+      const RowInfo& info = ws.rows[r];
+      const SoftmaxState& st = ws.state[r];
+      const float inv = st.sum > 0.0f ? 1.0f / st.sum : 0.0f;
+      const float* acc = ws.acc.data() + size_t(r) * D;
+      QT* dst = p_.out + int64_t(info.token) * p_.out_token_stride +
+                int64_t(info.head) * p_.out_head_stride;
+      for (int d = 0; d < D; ++d) dst[d] = ScalarConvert<QT>::from_float(acc[d] * inv);
+      if (p_.lse != nullptr) p_.lse[int64_t(info.token) * p_.num_heads + info.head] = st.lse();
+    }
+  }
+
+  // v2 epilogue: the partition's partial state per row.
+  void write_partial(const Task& task, const Workspace& ws) const {
+    const int D = p_.head_size;
+    for (int r = 0; r < task.num_rows; ++r) {
+      const RowInfo& info = ws.rows[r];
+      const int64_t idx =
+          (int64_t(info.token) * p_.num_heads + info.head) * p_.max_partitions + task.partition;
+      p_.part_max[idx] = ws.state[r].max;
+      p_.part_sum[idx] = ws.state[r].sum;
+      std::copy_n(ws.acc.data() + size_t(r) * D, D, p_.part_acc + idx * D);
+    }
+  }
+
+  // v2 reduction for one (query token, head): folds the partitions the row can see.
+  void merge_partitions(int token, int head, int limit, float* acc) const {
+    const int D = p_.head_size;
+    const int64_t base = (int64_t(token) * p_.num_heads + head) * p_.max_partitions;
+    const int parts = limit / kPartitionSize + 1;
+    SoftmaxState st = SoftmaxState::empty();
+    std::fill(acc, acc + D, 0.0f);
+    for (int k = 0; k < parts; ++k) {
+      const SoftmaxState part{p_.part_max[base + k], p_.part_sum[base + k]};
+      const SoftmaxMerge m = merge_softmax(st, part);
+      const float* part_acc = p_.part_acc + (base + k) * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[d] = acc[d] * m.weight_a + part_acc[d] * m.weight_b;
+      st = m.state;
+    }
+    const float inv = st.sum > 0.0f ? 1.0f / st.sum : 0.0f;
+    QT* dst = p_.out + int64_t(token) * p_.out_token_stride + int64_t(head) * p_.out_head_stride;
+    for (int d = 0; d < D; ++d) dst[d] = ScalarConvert<QT>::from_float(acc[d] * inv);
+    if (p_.lse != nullptr) p_.lse[int64_t(token) * p_.num_heads + head] = st.lse();
+  }
+
+  // attn_mass: adds, for every visible position, the sum over all heads and query tokens of
+  // exp2(s - lse_log2), the final probability, with s recomputed exactly as attend() does.
+  // Tasks are (sequence, kMassTile positions) and loop over every KV head and row, so one
+  // sequence's mass for a slot is summed inside one task and added once: distinct slots never
+  // race, and the add is atomic only because two sequences may share a block (prefix sharing).
+  void mass_pass(const float* lse, const std::vector<Task>& mass_tasks) const {
+    const int G = p_.group_size();
+    at::parallel_for(0, int64_t(mass_tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      Workspace ws(p_.head_size);
+      std::vector<float> mass(kMassTile);
+      std::vector<float> lse2(kMaxRows);
+      for (int64_t i = begin; i < end; ++i) {
+        const Task& span = mass_tasks[i];
+        const int q_len = p_.cu_seqlens_q[span.seq + 1] - p_.cu_seqlens_q[span.seq];
+        const int n_pos = span.pos_end - span.pos_begin;
+        std::fill(mass.begin(), mass.begin() + n_pos, 0.0f);
+        for (int kv_head = 0; kv_head < p_.num_kv_heads; ++kv_head) {
+          ws.kreader.init(p_.k_scale.at(kv_head));
+          for (int row0 = 0; row0 < q_len * G; row0 += kMaxRows) {
+            const Task task{span.seq, kv_head, row0, std::min(kMaxRows, q_len * G - row0),
+                            span.pos_begin, span.pos_end, 0};
+            load_queries(task, ws);
+            for (int r = 0; r < task.num_rows; ++r) {
+              lse2[r] = lse[int64_t(ws.rows[r].token) * p_.num_heads + ws.rows[r].head] * kLog2e;
+            }
+            const int pos_end = std::min(span.pos_end, ws.rows[task.num_rows - 1].limit + 1);
+            for (int start = span.pos_begin; start < pos_end; start += kTile) {
+              const int n = std::min(kTile, pos_end - start);
+              locate_tile(task, ws, start, n, std::min(kTile, pos_end - start - kTile));
+              score_tile(task.num_rows, ws, false);
+              for (int r = 0; r < task.num_rows; ++r) {
+                const float* w = ws.w.data() + r * kTile;
+                float* m = mass.data() + (start - span.pos_begin);
+                for (int t = 0; t < ws.visible[r]; ++t) m[t] += softmax_exp2(w[t] - lse2[r]);
+              }
+            }
+          }
+        }
+        for (int t = 0; t < n_pos; ++t) {
+          std::atomic_ref<float>(p_.attn_mass[p_.slot(span.seq, span.pos_begin + t)])
+              .fetch_add(mass[t], std::memory_order_relaxed);
+        }
+      }
+    });
+  }
+
+ private:
+  const PagedAttentionParams<QT, CacheT>& p_;
+};
+
+enum class Variant { kV1, kV2 };
+
+// Dispatcher rule (CPU): v2 when v1 would leave threads idle on a long context, i.e. fewer than
+// two v1 tasks per thread and a context of at least two partitions; v1 otherwise.
+bool cpu_prefers_v2(int64_t v1_tasks, int64_t longest_context) {
+  return v1_tasks < 2 * int64_t(at::get_num_threads()) &&
+         longest_context >= 2 * int64_t(kPartitionSize);
+}
+
+template <typename QT, typename CacheT, CacheFormat F>
+void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, Variant variant,
+             bool dispatch, const c10::optional<at::Tensor>& lse_opt, const at::Tensor& query) {
+  CpuPagedAttention<QT, CacheT, F> kernel(p);
+  const int G = p.group_size();
+
+  // Task lists from the (host-resident, validated) index tensors.
+  std::vector<Task> v1_tasks;
+  int64_t longest = 0;
+  for (int seq = 0; seq < p.num_seqs; ++seq) {
+    const int q_len = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
+    longest = std::max<int64_t>(longest, p.seq_lens[seq]);
+    for (int kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
+      for (int row0 = 0; row0 < q_len * G; row0 += kMaxRows) {
+        v1_tasks.push_back(
+            Task{seq, kv_head, row0, std::min(kMaxRows, q_len * G - row0), 0, p.seq_lens[seq], 0});
+      }
+    }
+  }
+  if (dispatch) {
+    variant = cpu_prefers_v2(int64_t(v1_tasks.size()), longest) ? Variant::kV2 : Variant::kV1;
+  }
+
+  // attn_mass needs the final LSE: the caller's buffer, or a scratch one.
+  at::Tensor lse_scratch;
+  if (p.attn_mass != nullptr && p.lse == nullptr) {
+    lse_scratch = at::empty({args.num_tokens, args.num_heads}, query.options().dtype(at::kFloat));
+    p.lse = lse_scratch.data_ptr<float>();
+  }
+
+  if (variant == Variant::kV1) {
+    at::parallel_for(0, int64_t(v1_tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      typename CpuPagedAttention<QT, CacheT, F>::Workspace ws(p.head_size);
+      for (int64_t i = begin; i < end; ++i) {
+        kernel.attend(v1_tasks[i], ws);
+        kernel.write_final(v1_tasks[i], ws);
+      }
+    });
+  } else {
+    const int64_t P = args.max_partitions();
+    p.max_partitions = static_cast<int>(P);
+    const auto fopts = query.options().dtype(at::kFloat);
+    at::Tensor part_acc = at::empty({args.num_tokens, args.num_heads, P, args.head_size}, fopts);
+    at::Tensor part_max = at::empty({args.num_tokens, args.num_heads, P}, fopts);
+    at::Tensor part_sum = at::empty({args.num_tokens, args.num_heads, P}, fopts);
+    p.part_acc = part_acc.data_ptr<float>();
+    p.part_max = part_max.data_ptr<float>();
+    p.part_sum = part_sum.data_ptr<float>();
+    std::vector<Task> tasks;
+    for (const Task& t : v1_tasks) {
+      for (int k = 0; k * kPartitionSize < t.pos_end; ++k) {
+        Task part = t;
+        part.partition = k;
+        part.pos_begin = k * kPartitionSize;
+        part.pos_end = std::min(t.pos_end, (k + 1) * kPartitionSize);
+        // A partition past every row's causal limit is never merged: skip it.
+        if (part.pos_begin <= kernel.row_info(t.seq, t.kv_head, t.row_begin + t.num_rows - 1).limit) {
+          tasks.push_back(part);
+        }
+      }
+    }
+    at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      typename CpuPagedAttention<QT, CacheT, F>::Workspace ws(p.head_size);
+      for (int64_t i = begin; i < end; ++i) {
+        kernel.attend(tasks[i], ws);
+        kernel.write_partial(tasks[i], ws);
+      }
+    });
+    // Reduction over (query token, head).
+    std::vector<int> token_seq(p.num_tokens);
+    for (int seq = 0; seq < p.num_seqs; ++seq) {
+      for (int t = p.cu_seqlens_q[seq]; t < p.cu_seqlens_q[seq + 1]; ++t) token_seq[t] = seq;
+    }
+    at::parallel_for(0, int64_t(p.num_tokens) * p.num_heads, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(p.head_size);
+      for (int64_t i = begin; i < end; ++i) {
+        const int token = static_cast<int>(i / p.num_heads);
+        const int head = static_cast<int>(i % p.num_heads);
+        const int seq = token_seq[token];
+        const int q_len = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
+        const int limit = causal_limit(p.seq_lens[seq], q_len, token - p.cu_seqlens_q[seq]);
+        kernel.merge_partitions(token, head, limit, acc.data());
+      }
+    });
+  }
+
+  if (p.attn_mass != nullptr) {
+    std::vector<Task> mass_tasks;
+    for (int seq = 0; seq < p.num_seqs; ++seq) {
+      if (p.cu_seqlens_q[seq + 1] == p.cu_seqlens_q[seq]) continue;
+      for (int pos = 0; pos < p.seq_lens[seq]; pos += kMassTile) {
+        mass_tasks.push_back(Task{seq, 0, 0, 0, pos, std::min(p.seq_lens[seq], pos + kMassTile), 0});
+      }
+    }
+    kernel.mass_pass(p.lse, mass_tasks);
+  }
+  (void)lse_opt;
+}
+
+void paged_attention_cpu_impl(const char* op, Variant variant, bool dispatch, at::Tensor& out,
+                              const at::Tensor& query, const at::Tensor& key_cache,
+                              const at::Tensor& value_cache, const at::Tensor& block_tables,
+                              const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                              int64_t max_q_len, double scale,
+                              const c10::optional<at::Tensor>& k_scale,
+                              const c10::optional<at::Tensor>& v_scale,
+                              const c10::optional<at::Tensor>& lse,
+                              const c10::optional<at::Tensor>& attn_mass) {
+  const AttentionArgs args =
+      check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens,
+                      cu_seqlens_q, max_q_len, k_scale, v_scale, lse, attn_mass,
+                      /*allow_float32=*/true);
+  check_attention_indices(op, args, block_tables, seq_lens, cu_seqlens_q);
+  if (args.num_tokens == 0 || args.num_seqs == 0) return;
+  PAGEDSPEC_DISPATCH_ACTIVATION(query.scalar_type(), op, "query", [&] {
+    PAGEDSPEC_DISPATCH_CACHE_FORMAT(args.format, [&] {
+      PagedAttentionParams<scalar_t, cache_t> p{};
+      p.out = out.data_ptr<scalar_t>();
+      p.query = query.const_data_ptr<scalar_t>();
+      p.key_cache = static_cast<const cache_t*>(key_cache.const_data_ptr());
+      p.value_cache = static_cast<const cache_t*>(value_cache.const_data_ptr());
+      p.block_tables = block_tables.const_data_ptr<int>();
+      p.seq_lens = seq_lens.const_data_ptr<int>();
+      p.cu_seqlens_q = cu_seqlens_q.const_data_ptr<int>();
+      p.k_scale = args.k_scale;
+      p.v_scale = args.v_scale;
+      p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
+      p.attn_mass = attn_mass.has_value() ? attn_mass->data_ptr<float>() : nullptr;
+      p.scale = static_cast<float>(scale);
+      p.q_token_stride = query.stride(0);
+      p.q_head_stride = query.stride(1);
+      p.out_token_stride = out.stride(0);
+      p.out_head_stride = out.stride(1);
+      p.num_blocks = args.num_blocks;
+      p.num_tokens = static_cast<int>(args.num_tokens);
+      p.num_seqs = static_cast<int>(args.num_seqs);
+      p.num_heads = static_cast<int>(args.num_heads);
+      p.num_kv_heads = static_cast<int>(args.num_kv_heads);
+      p.head_size = static_cast<int>(args.head_size);
+      p.block_size = static_cast<int>(args.block_size);
+      p.block_shift = args.block_shift();
+      p.max_blocks_per_seq = static_cast<int>(args.max_blocks_per_seq);
+      p.max_q_len = static_cast<int>(args.launch_max_q_len());
+      p.max_partitions = 1;
+      run_cpu<scalar_t, cache_t, kCacheFormat>(p, args, variant, dispatch, lse, query);
+    });
+  });
+}
+
+void paged_attention_v1_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                            int64_t max_q_len, double scale,
+                            const c10::optional<at::Tensor>& k_scale,
+                            const c10::optional<at::Tensor>& v_scale,
+                            const c10::optional<at::Tensor>& lse,
+                            const c10::optional<at::Tensor>& attn_mass) {
+  paged_attention_cpu_impl("paged_attention_v1", Variant::kV1, false, out, query, key_cache,
+                           value_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, scale,
+                           k_scale, v_scale, lse, attn_mass);
+}
+
+void paged_attention_v2_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                            int64_t max_q_len, double scale,
+                            const c10::optional<at::Tensor>& k_scale,
+                            const c10::optional<at::Tensor>& v_scale,
+                            const c10::optional<at::Tensor>& lse,
+                            const c10::optional<at::Tensor>& attn_mass) {
+  paged_attention_cpu_impl("paged_attention_v2", Variant::kV2, false, out, query, key_cache,
+                           value_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, scale,
+                           k_scale, v_scale, lse, attn_mass);
+}
+
+void paged_attention_dispatch_cpu(at::Tensor& out, const at::Tensor& query,
+                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  const at::Tensor& cu_seqlens_q, int64_t max_q_len, double scale,
+                                  const c10::optional<at::Tensor>& k_scale,
+                                  const c10::optional<at::Tensor>& v_scale,
+                                  const c10::optional<at::Tensor>& lse,
+                                  const c10::optional<at::Tensor>& attn_mass) {
+  paged_attention_cpu_impl("paged_attention", Variant::kV1, true, out, query, key_cache,
+                           value_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, scale,
+                           k_scale, v_scale, lse, attn_mass);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pagedspec, CPU, m) {
+  m.impl("paged_attention_v1", &paged_attention_v1_cpu);
+  m.impl("paged_attention_v2", &paged_attention_v2_cpu);
+  m.impl("paged_attention", &paged_attention_dispatch_cpu);
+}
+
+}  // namespace pagedspec

@@ -1,0 +1,160 @@
+// Paged attention: the online-softmax state and its log-sum-exp merge, shared by the CPU kernel,
+// the CUDA kernels and the v2 reduction, plus the kernel parameter structs. Torch-free.
+//
+// Logits are kept in the log2 domain (scale * q.k * log2(e)) so that every exponential is an exp2
+// (one instruction on the GPU); SoftmaxState::lse() converts back to the natural log the
+// contract's `lse` output uses.
+//
+// Masked logits are -inf and an empty state has max == -inf. Every helper here guards the
+// -inf - -inf = NaN case, so a query row that sees no position in some tile or partition simply
+// contributes nothing when merged.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+
+#include "pagedspec/codec.h"
+#include "pagedspec/macros.h"
+
+namespace pagedspec {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Tokens per v2 partition (CPU and CUDA alike, so both split a context the same way).
+constexpr int kPartitionSize = 512;
+
+PS_HOST_DEVICE float softmax_exp2(float x) {
+#if defined(__CUDA_ARCH__)
+  return exp2f(x);
+#else
+  return ::exp2f(x);
+#endif
+}
+
+PS_HOST_DEVICE float neg_inf() {
+#if defined(__CUDA_ARCH__)
+  return __int_as_float(0xff800000);
+#else
+  return -INFINITY;
+#endif
+}
+
+// Weight of a log2-domain logit `s` against the running max `max`: exp2(s - max), and exactly 0
+// for a masked logit (s == -inf), even when max is -inf too.
+PS_HOST_DEVICE float softmax_weight(float s, float max) {
+  return s == neg_inf() ? 0.0f : softmax_exp2(s - max);
+}
+
+// Online-softmax state of one query row over the positions folded in so far:
+// softmax weights are exp2(s - max) / sum.
+struct SoftmaxState {
+  float max;  // largest log2-domain logit seen; -inf while empty
+  float sum;  // sum over seen positions of exp2(s - max)
+
+  static PS_HOST_DEVICE SoftmaxState empty() { return SoftmaxState{neg_inf(), 0.0f}; }
+
+  PS_HOST_DEVICE bool is_empty() const { return max == neg_inf(); }
+
+  // Raises the running max to cover a new tile whose largest logit is `tile_max` and returns the
+  // factor every quantity accumulated against the old max (this->sum is rescaled here; the
+  // caller rescales its P.V accumulator) must be multiplied by. 1 when the max does not change,
+  // 0 when the state was empty. The caller then adds softmax_weight(s, max) of the tile's logits
+  // to `sum`.
+  PS_HOST_DEVICE float raise_max(float tile_max) {
+    const float new_max = tile_max > max ? tile_max : max;
+    if (new_max == max) return 1.0f;  // also covers empty state + fully masked tile
+    const float factor = max == neg_inf() ? 0.0f : softmax_exp2(max - new_max);
+    max = new_max;
+    sum *= factor;
+    return factor;
+  }
+
+  // Natural-log log-sum-exp of the natural-domain logits (-inf for an empty state).
+  PS_HOST_DEVICE float lse() const {
+    if (sum <= 0.0f) return neg_inf();
+    return (max + log2f(sum)) * kLn2;
+  }
+};
+
+// Merge of two partial states over disjoint positions: the merged state, and the factors the two
+// partial accumulators (unnormalized sum of weight * v, each against its own max) must be
+// multiplied by before being added: acc = acc_a * weight_a + acc_b * weight_b.
+struct SoftmaxMerge {
+  SoftmaxState state;
+  float weight_a;
+  float weight_b;
+};
+
+PS_HOST_DEVICE SoftmaxMerge merge_softmax(SoftmaxState a, SoftmaxState b) {
+  const float max = a.max > b.max ? a.max : b.max;
+  if (max == neg_inf()) return SoftmaxMerge{SoftmaxState::empty(), 0.0f, 0.0f};
+  const float wa = a.is_empty() ? 0.0f : softmax_exp2(a.max - max);
+  const float wb = b.is_empty() ? 0.0f : softmax_exp2(b.max - max);
+  return SoftmaxMerge{SoftmaxState{max, a.sum * wa + b.sum * wb}, wa, wb};
+}
+
+// Which sequence and query row a (row-major) query token belongs to, and what it may see.
+// Query token j (0-based within its sequence) of a sequence with KV length seq_len and q_len
+// query tokens sees positions 0 .. causal_limit (inclusive).
+PS_HOST_DEVICE int causal_limit(int seq_len, int q_len, int j) { return seq_len - q_len + j; }
+
+// Number of v2 partitions covering `context` tokens.
+PS_HOST_DEVICE int num_partitions_for(int context) {
+  return (context + kPartitionSize - 1) / kPartitionSize;
+}
+
+// Everything a paged-attention kernel reads and writes. QT: the query / output element type;
+// CacheT: the cache element type (QT for native caches, uint8_t for FP8 codes).
+// Shapes use T = num_tokens, Hq = num_heads, Hkv = num_kv_heads, D = head_size, B = num_seqs,
+// NB = num_blocks, BS = block_size, M = max_blocks_per_seq, P = max_partitions.
+template <typename QT, typename CacheT>
+struct PagedAttentionParams {
+  QT* out;                    // [T, Hq, D]; strides out_token_stride, out_head_stride, 1
+  const QT* query;            // [T, Hq, D]; strides q_token_stride, q_head_stride, 1
+  const CacheT* key_cache;    // [NB, BS, Hkv, D], contiguous
+  const CacheT* value_cache;  // [NB, BS, Hkv, D], contiguous
+  const int* block_tables;    // [B, M]; block id of position p of sequence i: [i, p / BS]
+  const int* seq_lens;        // [B]; KV length of each sequence, query tokens included
+  const int* cu_seqlens_q;    // [B + 1]; sequence i owns query tokens [cu[i], cu[i+1])
+  ScaleRef k_scale;           // [] or [Hkv]; FP8 caches only (read value = stored * scale)
+  ScaleRef v_scale;           // [] or [Hkv]; FP8 caches only
+  float* lse;                 // [T, Hq] natural-log LSE, or null when not requested
+  float* attn_mass;           // [NB * BS] accumulated probability per slot, or null
+
+  // v2 partial results, one per (query token, head, partition); null for v1. acc is the
+  // unnormalized sum of exp2(s - max) * v over the partition's positions.
+  float* part_acc;  // [T, Hq, P, D]
+  float* part_max;  // [T, Hq, P]; SoftmaxState::max (log2 domain), -inf for an empty partition
+  float* part_sum;  // [T, Hq, P]; SoftmaxState::sum
+
+  float scale;                // softmax scale applied to q.k (natural domain)
+  int64_t q_token_stride;     // query.stride(0), elements
+  int64_t q_head_stride;      // query.stride(1), elements
+  int64_t out_token_stride;   // out.stride(0), elements
+  int64_t out_head_stride;    // out.stride(1), elements
+  int64_t num_blocks;         // NB: key_cache.size(0)
+  int num_tokens;             // T: query.size(0)
+  int num_seqs;               // B: seq_lens.size(0)
+  int num_heads;              // Hq: query.size(1)
+  int num_kv_heads;           // Hkv: key_cache.size(2)
+  int head_size;              // D: query.size(2)
+  int block_size;             // BS: key_cache.size(1), a power of two
+  int block_shift;            // log2(BS)
+  int max_blocks_per_seq;     // M: block_tables.size(1)
+  int max_q_len;              // host-side bound on every q_len (>= 1 unless T == 0)
+  int max_partitions;         // P: partitions of the longest possible context (v2), else 1
+
+  PS_HOST_DEVICE int group_size() const { return num_heads / num_kv_heads; }
+  PS_HOST_DEVICE int64_t cache_token_stride() const { return int64_t(num_kv_heads) * head_size; }
+  // Cache element offset of (position, KV head) of sequence `seq`, through the block table.
+  PS_HOST_DEVICE int64_t slot(int seq, int pos) const {
+    const int block = block_tables[int64_t(seq) * max_blocks_per_seq + (pos >> block_shift)];
+    return (int64_t(block) << block_shift) + (pos & (block_size - 1));
+  }
+  PS_HOST_DEVICE int64_t cache_offset(int seq, int pos, int kv_head) const {
+    return slot(seq, pos) * cache_token_stride() + int64_t(kv_head) * head_size;
+  }
+};
+
+}  // namespace pagedspec
