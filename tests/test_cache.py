@@ -247,3 +247,19 @@ def test_swap_blocks_device_mapping_needs_pinned_host():
     with pytest.raises(RuntimeError, match=r"src must be in pinned host memory"):
         ops.swap_blocks(torch.zeros(4, 8), torch.zeros(4, 8, device="cuda"),
                         torch.tensor([[0, 1]], device="cuda"))
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_cache_ops_reject_mixed_devices():
+    with pytest.raises(RuntimeError, match=r"slot_mapping must be on the same device as key"):
+        ops.reshape_and_cache(**_reshape_args(
+            key=torch.randn(4, 2, 64, device="cuda"), value=torch.randn(4, 2, 64, device="cuda"),
+            key_cache=torch.zeros(2, 8, 2, 64, device="cuda"),
+            value_cache=torch.zeros(2, 8, 2, 64, device="cuda")))
+    with pytest.raises(RuntimeError, match=r"block_mapping must be on the same device as key_caches\[0\]"):
+        ops.copy_blocks([torch.zeros(4, 8, 2, 64, device="cuda")],
+                        [torch.zeros(4, 8, 2, 64, device="cuda")], torch.tensor([[0, 1]]))
+    with pytest.raises(RuntimeError, match=r"scale must be on the same device as input"):
+        ops.quantize_fp8(torch.empty(4, 64, dtype=torch.float8_e4m3fn, device="cuda"),
+                         torch.randn(4, 64, device="cuda"), torch.tensor(1.0))

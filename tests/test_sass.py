@@ -23,6 +23,7 @@ VECTORIZED = [
     (r"reshape_and_cache_kernel<float, .*, 4>", "LDG.128"),
     (r"copy_blocks_kernel<uint4>", "LDG.128"),
     (r"swap_blocks_kernel<uint4>", "LDG.128"),
+    (r"rejection_sample_kernel<4>", "LDG.128"),
     (r"fp8_convert_kernel<(__half|__nv_bfloat16|float), unsigned char, .*, 8>", "STG.64"),
 ]
 

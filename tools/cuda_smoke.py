@@ -57,7 +57,48 @@ def smoke_fp8(dev: str) -> None:
     ops.dequantize_fp8(back, out, scale)
 
 
-SMOKES = {"reshape_and_cache": smoke_cache, "quantize_fp8": smoke_fp8}
+def smoke_sampling(dev: str) -> None:
+    """CPU and CUDA must emit identical tokens for the same uniforms (same summation order)."""
+    g = torch.Generator().manual_seed(1)
+    batch, k, vocab = 6, 3, 1000 + 3  # a vocabulary that is not a multiple of the vector width
+    target = torch.softmax(torch.randn(batch, k + 1, vocab, generator=g) * 3, -1)
+    draft = torch.softmax(torch.randn(batch, k, vocab, generator=g) * 3, -1)
+    draft_ids = torch.randint(0, vocab, (batch, k), generator=g)
+    u_accept = torch.rand(batch, k, generator=g)
+    u_resample = torch.rand(batch, k + 1, generator=g)
+    counts = torch.tensor([3, 0, 1, 2, 3, 3], dtype=torch.int32)
+    for probs in (draft, None):
+        args = (draft_ids, probs, target, u_accept, u_resample, counts)
+        want = ops.rejection_sample(*args)
+        got = ops.rejection_sample(*(a.to(dev) if a is not None else None for a in args))
+        assert all(torch.equal(w, g_.cpu()) for w, g_ in zip(want, got)), (want, got)
+    target_ids = torch.randint(0, vocab, (batch, k + 1), generator=g)
+    target_ids[:, :2] = draft_ids[:, :2]
+    want = ops.greedy_verify(draft_ids, target_ids, counts)
+    got = ops.greedy_verify(draft_ids.to(dev), target_ids.to(dev), counts.to(dev))
+    assert all(torch.equal(w, g_.cpu()) for w, g_ in zip(want, got))
+
+
+def smoke_sketch(dev: str) -> None:
+    """Plain and conservative updates, a query and a decay: bit-identical to the CPU kernels."""
+    g = torch.Generator().manual_seed(2)
+    keys = torch.randint(-(2**62), 2**62, (5000,), generator=g)
+    keys[::7] = keys[0]  # duplicates within the batch
+    increments = torch.randint(0, 1 << 20, (5000,), generator=g, dtype=torch.int32)
+    for width in (1000, 1024):
+        want = torch.zeros(4, width, dtype=torch.int32)
+        got = want.to(dev)
+        for conservative in (False, True):
+            ops.cms_update(want, keys, increments, conservative)
+            ops.cms_update(got, keys.to(dev), increments.to(dev), conservative)
+        ops.cms_decay(want, 3)
+        ops.cms_decay(got, 3)
+        assert torch.equal(got.cpu(), want)
+        assert torch.equal(ops.cms_query(got, keys.to(dev)).cpu(), ops.cms_query(want, keys))
+
+
+SMOKES = {"reshape_and_cache": smoke_cache, "quantize_fp8": smoke_fp8,
+          "rejection_sample": smoke_sampling, "cms_update": smoke_sketch}
 
 
 def main() -> int:

@@ -153,26 +153,184 @@ paged_attention_v2 = paged_attention
 # Speculative decoding verification (issue 4)
 
 
+def _draft_counts(draft_token_ids: torch.Tensor,
+                  num_draft_tokens: Optional[torch.Tensor]) -> torch.Tensor:
+    """k_b per request as int64 ``[B]`` (k when ``num_draft_tokens`` is None)."""
+    batch, k = draft_token_ids.shape
+    if num_draft_tokens is None:
+        return torch.full((batch,), k, dtype=torch.int64, device=draft_token_ids.device)
+    return num_draft_tokens.to(torch.int64)
+
+
+def _verify_output(draft_token_ids: torch.Tensor, num_accepted: torch.Tensor,
+                   emitted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, k+1]``: the accepted draft tokens, then ``emitted`` at column num_accepted, then -1."""
+    batch, k = draft_token_ids.shape
+    columns = torch.arange(k + 1, device=draft_token_ids.device)
+    padded = torch.cat([draft_token_ids, draft_token_ids.new_full((batch, 1), -1)], dim=1)
+    accepted = num_accepted[:, None]
+    output = torch.where(columns < accepted, padded, -1)
+    output = torch.where(columns == accepted, emitted[:, None], output)
+    return output, num_accepted.to(torch.int32)
+
+
+def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Per row of ``weights`` ``[N, V]`` (>= 0), the smallest t with ``w_t > 0`` and
+    ``sum_{s<=t} w_s > u * sum_s w_s``, with the sums in float64 (the kernels sum in float32 and
+    may differ only where u lands within float32 rounding of a CDF boundary). A row whose
+    threshold is not crossed (u = 1 or rounding) gives its last positive-weight token; a row
+    without positive weight gives 0."""
+    w = weights.to(torch.float64)
+    cdf = w.cumsum(dim=-1)
+    threshold = uniform.to(torch.float64)[:, None] * cdf[:, -1:]
+    crossing = (w > 0) & (cdf > threshold)
+    tokens = torch.arange(w.shape[-1], device=w.device)
+    first = torch.where(crossing, tokens, w.shape[-1]).min(dim=-1).values
+    last_positive = torch.where(w > 0, tokens, 0).max(dim=-1).values
+    return torch.where(crossing.any(dim=-1), first, last_positive)
+
+
+def _positive_part(x: torch.Tensor) -> torch.Tensor:
+    """max(x, 0) with NaN as 0, as the kernels read it."""
+    return torch.where(x > 0, x, torch.zeros_like(x))
+
+
 def rejection_sample(draft_token_ids, draft_probs, target_probs, uniform_accept, uniform_resample,
                      num_draft_tokens=None):
-    raise NotImplementedError("reference.rejection_sample: see issue 4")
+    """Speculative-decoding rejection sampling (CONTRACT.md), one request per row.
+
+    Accept draft token x at position i iff ``uniform_accept * q(x) < p(x)`` (q = 1 for a one-hot
+    draft); at the first rejection draw from ``max(p - q, 0)`` (or p when that has no mass) with
+    ``uniform_resample``; after k_b acceptances draw the bonus token from p at row k_b.
+    """
+    batch, k = draft_token_ids.shape
+    vocab = target_probs.shape[-1]
+    device = target_probs.device
+    rows = torch.arange(batch, device=device)
+    counts = _draft_counts(draft_token_ids, num_draft_tokens)
+
+    # The acceptance test at every drafted position; only those before the first rejection count.
+    # Ids past num_draft_tokens are never read (they may be padding such as -1).
+    positions = torch.arange(k, device=device)
+    drafted = positions < counts[:, None]
+    safe_ids = torch.where(drafted, draft_token_ids, 0)
+    ids = safe_ids.unsqueeze(-1)
+    p = target_probs[:, :k].gather(-1, ids).squeeze(-1)
+    q = draft_probs.gather(-1, ids).squeeze(-1) if draft_probs is not None else torch.ones_like(p)
+    rejected = ~(uniform_accept * q < p) & drafted
+    first_rejection = torch.where(rejected, positions, k).min(dim=-1).values if k else counts
+    num_accepted = torch.minimum(first_rejection, counts)
+    was_rejected = num_accepted < counts
+
+    # The row the emitted token is drawn from: the residual at a rejection, else the target.
+    target_row = target_probs[rows, num_accepted]
+    weights = _positive_part(target_row)
+    if k > 0:
+        draft_position = num_accepted.clamp(max=k - 1)
+        if draft_probs is not None:
+            draft_row = draft_probs[rows, draft_position]
+        else:
+            one_hot_token = safe_ids[rows, draft_position]
+            draft_row = torch.nn.functional.one_hot(one_hot_token, vocab).to(target_row.dtype)
+        residual = _positive_part(target_row - draft_row)
+        use_residual = was_rejected & (residual > 0).any(dim=-1)
+        weights = torch.where(use_residual[:, None], residual, weights)
+    emitted = inverse_cdf(weights, uniform_resample[rows, num_accepted])
+    return _verify_output(draft_token_ids, num_accepted, emitted)
 
 
 def greedy_verify(draft_token_ids, target_token_ids, num_draft_tokens=None):
-    raise NotImplementedError("reference.greedy_verify: see issue 4")
+    """Accept draft tokens while they equal the target's argmax; then emit the target token at
+    the first mismatch, or the bonus ``target_token_ids[b, k_b]`` after k_b acceptances."""
+    batch, k = draft_token_ids.shape
+    counts = _draft_counts(draft_token_ids, num_draft_tokens)
+    positions = torch.arange(k, device=draft_token_ids.device)
+    mismatch = (draft_token_ids != target_token_ids[:, :k]) & (positions < counts[:, None])
+    first_mismatch = torch.where(mismatch, positions, k).min(dim=-1).values if k else counts
+    num_accepted = torch.minimum(first_mismatch, counts)
+    emitted = target_token_ids.gather(1, num_accepted[:, None]).squeeze(1)
+    return _verify_output(draft_token_ids, num_accepted, emitted)
 
 
 # ----------------------------------------------------------------------------------------------
 # Count-min sketch (issue 5)
 
 
+# torch has no uint64 arithmetic, but int64 add and multiply wrap in two's complement, which is
+# arithmetic modulo 2^64 on the same bit patterns; only right shifts and the final modulo need care.
+CMS_COUNTER_MAX = 2**31 - 1
+_CMS_ROW_SEED = 0x9E3779B97F4A7C15
+_FMIX_C1 = 0xFF51AFD7ED558CCD
+_FMIX_C2 = 0xC4CEB9FE1A85EC53
+
+
+def _as_int64(u: int) -> int:
+    """The int64 with the bit pattern of the uint64 ``u``."""
+    u %= 2**64
+    return u - 2**64 if u >= 2**63 else u
+
+
+def _shr_logical(x: torch.Tensor, s: int) -> torch.Tensor:
+    """uint64 ``x >> s`` on int64 bit patterns (torch's ``>>`` is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _fmix64(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ _shr_logical(x, 33)
+    x = x * _as_int64(_FMIX_C1)
+    x = x ^ _shr_logical(x, 33)
+    x = x * _as_int64(_FMIX_C2)
+    return x ^ _shr_logical(x, 33)
+
+
+def _mod_uint64(x: torch.Tensor, width: int) -> torch.Tensor:
+    """uint64 ``x mod width`` on int64 bit patterns: a negative pattern is x + 2^64."""
+    r = torch.remainder(x, width)  # floor modulo: in [0, width) for every x
+    return torch.where(x < 0, torch.remainder(r + (2**64) % width, width), r)
+
+
+def cms_columns(keys: torch.Tensor, depth: int, width: int) -> torch.Tensor:
+    """Column of every key in every row, int64 ``[depth, n]``:
+    ``col_r(key) = fmix64(uint64(key) + (r + 1) * 0x9E3779B97F4A7C15) mod width``."""
+    keys = keys.to(torch.int64)
+    rows = [_mod_uint64(_fmix64(keys + _as_int64((r + 1) * _CMS_ROW_SEED)), width)
+            for r in range(depth)]
+    return torch.stack(rows) if rows else keys.new_empty((0, keys.numel()))
+
+
+def _cms_increments(keys: torch.Tensor, increments) -> torch.Tensor:
+    if increments is None:
+        return torch.ones(keys.shape, dtype=torch.int64, device=keys.device)
+    return increments.to(torch.int64)
+
+
 def cms_update(sketch, keys, increments=None, conservative=False):
-    raise NotImplementedError("reference.cms_update: see issue 5")
+    depth, width = sketch.shape
+    cols = cms_columns(keys, depth, width)
+    inc = _cms_increments(keys, increments)
+    if conservative:
+        # e(key): the estimate before the call; S(key): the key's total increment in this call.
+        estimate = cms_query(sketch, keys).to(torch.int64)
+        distinct, inverse = torch.unique(keys, return_inverse=True)
+        total = torch.zeros(distinct.shape, dtype=torch.int64,
+                            device=keys.device).index_add_(0, inverse, inc)
+        target = torch.clamp(estimate + total[inverse], max=CMS_COUNTER_MAX)
+        for r in range(depth):
+            row = sketch[r].to(torch.int64).scatter_reduce(0, cols[r], target, reduce="amax")
+            sketch[r] = row.to(torch.int32)
+        return
+    for r in range(depth):
+        row = sketch[r].to(torch.int64).index_add_(0, cols[r], inc)  # n * 2^31 fits in int64
+        sketch[r] = torch.clamp(row, max=CMS_COUNTER_MAX).to(torch.int32)
 
 
 def cms_query(sketch, keys):
-    raise NotImplementedError("reference.cms_query: see issue 5")
+    depth, width = sketch.shape
+    cols = cms_columns(keys, depth, width)
+    return torch.gather(sketch, 1, cols).amin(dim=0)
 
 
 def cms_decay(sketch, shift=1):
-    raise NotImplementedError("reference.cms_decay: see issue 5")
+    if not 0 <= shift <= 31:
+        raise ValueError(f"reference.cms_decay: shift must be in [0, 31], got {shift}")
+    sketch.copy_(sketch >> shift)
