@@ -42,8 +42,6 @@ struct AttentionArgs {
   int64_t max_blocks_per_seq;
   int64_t max_q_len;
 
-  // Longest context the block table can describe: the host-side bound used to size the v2
-  // scratch buffers and by the dispatcher (the real seq_lens live on the device).
   // Bound on q_len for sizing launches: the caller's max_q_len, but never above num_tokens.
   int64_t launch_max_q_len() const { return std::min(max_q_len, num_tokens); }
   int block_shift() const {
@@ -51,6 +49,10 @@ struct AttentionArgs {
     while ((int64_t(1) << shift) < block_size) ++shift;
     return shift;
   }
+  // Longest context the block table can describe: the host-side bound used to size the v2
+  // scratch buffers and by the dispatcher (the real seq_lens live on the device). The v2 scratch
+  // is num_tokens x num_heads x max_partitions() x head_size floats, so tables padded far past
+  // the real lengths cost memory there.
   int64_t max_context() const { return max_blocks_per_seq * block_size; }
   int64_t max_partitions() const {
     return std::max<int64_t>(1, (max_context() + kPartitionSize - 1) / kPartitionSize);

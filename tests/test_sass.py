@@ -24,6 +24,7 @@ VECTORIZED = [
     (r"copy_blocks_kernel<uint4>", "LDG.128"),
     (r"swap_blocks_kernel<uint4>", "LDG.128"),
     (r"rejection_sample_kernel<4>", "LDG.128"),
+    (r"paged_attention_kernel<", "LDG.128"),
     (r"fp8_convert_kernel<(__half|__nv_bfloat16|float), unsigned char, .*, 8>", "STG.64"),
 ]
 

@@ -97,8 +97,54 @@ def smoke_sketch(dev: str) -> None:
         assert torch.equal(ops.cms_query(got, keys.to(dev)).cpu(), ops.cms_query(want, keys))
 
 
+def smoke_attention(dev: str) -> None:
+    """v1, v2 and the dispatcher with lse and attn_mass, bf16 and FP8 caches, against the CPU
+    kernel; unused cache slots hold NaN."""
+    g = torch.Generator().manual_seed(3)
+    seq_lens, q_lens, heads, kv_heads, head_size, block_size = [1, 17, 1300], [1, 2, 5], 8, 2, 128, 16
+    blocks_per_seq = [(s + block_size - 1) // block_size for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 2
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(blocks_per_seq):
+        table[i, :n] = perm[used:used + n]
+        used += n
+    cu = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    tokens = int(cu[-1])
+    query = torch.randn(tokens, heads, head_size, generator=g).bfloat16()
+    for cache_dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        caches = []
+        for _ in range(2):
+            c = torch.full((num_blocks, block_size, kv_heads, head_size), float("nan"))
+            for i, s in enumerate(seq_lens):
+                for pos in range(s):
+                    c[table[i, pos // block_size], pos % block_size] = torch.randn(
+                        kv_heads, head_size, generator=g)
+            caches.append(c.to(cache_dtype) if cache_dtype == torch.bfloat16
+                          else c.clamp(-448, 448).to(cache_dtype))
+        scale = torch.tensor(0.7)
+        args_cpu = (query, *caches, table, torch.tensor(seq_lens, dtype=torch.int32), cu, 5,
+                    head_size ** -0.5, scale, scale)
+        for fn in (ops.paged_attention_v1, ops.paged_attention_v2, ops.paged_attention):
+            results = []
+            for device, args in (("cpu", args_cpu), (dev, [a.to(dev) if torch.is_tensor(a) else a
+                                                        for a in args_cpu])):
+                out = torch.empty_like(args[0])
+                lse = torch.empty(tokens, heads, device=device)
+                mass = torch.zeros(num_blocks * block_size, device=device)
+                fn(out, *args, lse=lse, attn_mass=mass)
+                results.append((out.float().cpu(), lse.cpu(), mass.cpu()))
+            (out_c, lse_c, mass_c), (out_g, lse_g, mass_g) = results
+            torch.testing.assert_close(out_g, out_c, rtol=2e-2, atol=2e-2)  # bf16 output
+            torch.testing.assert_close(lse_g, lse_c, rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(mass_g, mass_c, rtol=1e-3, atol=1e-4)
+            assert abs(float(mass_g.sum()) - heads * tokens) < 1e-2 * heads * tokens
+
+
 SMOKES = {"reshape_and_cache": smoke_cache, "quantize_fp8": smoke_fp8,
-          "rejection_sample": smoke_sampling, "cms_update": smoke_sketch}
+          "rejection_sample": smoke_sampling, "cms_update": smoke_sketch,
+          "paged_attention": smoke_attention}
 
 
 def main() -> int:

@@ -122,7 +122,7 @@ __device__ __forceinline__ RowPlace place_row(const PagedAttentionParams<QT, Cac
   return RowPlace{q_begin + row / G, kv_head * G + row % G, causal_limit(seq_len, q_len, row / G)};
 }
 
-// Two resident CTAs per SM (8 warps) is what the ~200 registers allow; with 2 positions x 2
+// Two resident CTAs per SM (8 warps) is what the ~210-250 registers allow; with 2 positions x 2
 // (K, V) x 32 bytes per lane that keeps 32 KB of loads in flight per SM.
 constexpr int kMinCtasPerSm = 2;
 
@@ -432,7 +432,8 @@ void launch(PagedAttentionParams<QT, CacheT> p, const AttentionArgs& args, Varia
   const char* op = "paged_attention";
   p.row_chunks = ceil_div(args.launch_max_q_len() * (args.num_heads / args.num_kv_heads),
                           L::kRows);
-  if (variant == Variant::kAuto) {
+  const bool chosen_automatically = variant == Variant::kAuto;
+  if (chosen_automatically) {
     static const int ctas_per_sm =
         resident_ctas_per_sm(paged_attention_kernel<QT, CacheT, F, D>);
     variant = cuda_prefers_v2(args, p.row_chunks, query.get_device(), ctas_per_sm)
@@ -441,9 +442,21 @@ void launch(PagedAttentionParams<QT, CacheT> p, const AttentionArgs& args, Varia
   }
   const auto fopts = query.options().dtype(at::kFloat);
   const int64_t P = args.max_partitions();
-  TORCH_CHECK(args.num_kv_heads * P <= 65535, "pagedspec.", op,
-              ": num_kv_heads x partitions of the block table's context (", args.num_kv_heads,
-              " x ", P, ") exceeds the CUDA grid limit of 65535");
+  TORCH_CHECK(args.max_context() < (int64_t(1) << 31), "pagedspec.", op,
+              ": block_tables describe a context of ", args.max_context(),
+              " positions; at most 2^31 - 1 are supported");
+  // Only the partitioned grids (v2 and the attn_mass pass) put partitions in grid.y; v1 has no
+  // such limit, so the dispatcher falls back to it rather than failing.
+  const bool fits_partitioned_grid = args.num_kv_heads * P <= 65535;
+  if (variant == Variant::kV2 && !fits_partitioned_grid && p.attn_mass == nullptr &&
+      chosen_automatically) {
+    variant = Variant::kV1;
+  }
+  TORCH_CHECK(fits_partitioned_grid || (variant == Variant::kV1 && p.attn_mass == nullptr),
+              "pagedspec.", op, ": num_kv_heads x partitions of the block table's context (",
+              args.num_kv_heads, " x ", P, ") exceeds the CUDA grid limit of 65535 for ",
+              p.attn_mass != nullptr ? "attn_mass" : "paged_attention_v2",
+              "; use paged_attention_v1 without attn_mass");
   TORCH_CHECK(args.num_seqs * int64_t(p.row_chunks) < (int64_t(1) << 31), "pagedspec.", op,
               ": too many sequences x row chunks for one launch");
 
