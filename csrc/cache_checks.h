@@ -74,6 +74,29 @@ inline ReshapeAndCacheArgs check_reshape_and_cache(
   return args;
 }
 
+// Kernel parameters from validated tensors, for the CPU and CUDA launchers alike. InT / CacheT
+// are the backend's scalar types (at::Half on CPU, __half on CUDA; uint8_t for FP8 caches).
+template <typename InT, typename CacheT>
+ReshapeAndCacheParams<InT, CacheT> make_reshape_and_cache_params(
+    const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+    const at::Tensor& slot_mapping, const ReshapeAndCacheArgs& args) {
+  ReshapeAndCacheParams<InT, CacheT> p{};
+  p.key = static_cast<const InT*>(key.const_data_ptr());
+  p.value = static_cast<const InT*>(value.const_data_ptr());
+  p.key_cache = static_cast<CacheT*>(key_cache.data_ptr());
+  p.value_cache = static_cast<CacheT*>(value_cache.data_ptr());
+  p.slot_mapping = slot_mapping.const_data_ptr<int64_t>();
+  p.k_scale = args.k_scale;
+  p.v_scale = args.v_scale;
+  p.num_tokens = args.num_tokens;
+  p.key_token_stride = key.stride(0);
+  p.key_head_stride = key.stride(1);
+  p.value_token_stride = value.stride(0);
+  p.value_head_stride = value.stride(1);
+  p.geo = args.geo;
+  return p;
+}
+
 // Host-side: every slot is -1 or inside the cache. `slots` must be a CPU int64 tensor.
 inline void check_slots_in_range(const char* op, const at::Tensor& slots, int64_t num_slots) {
   const int64_t* p = slots.data_ptr<int64_t>();

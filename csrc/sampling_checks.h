@@ -118,4 +118,26 @@ inline std::tuple<at::Tensor, at::Tensor> make_verify_outputs(const at::Tensor& 
           at::empty({batch}, draft_token_ids.options().dtype(at::kInt))};
 }
 
+// Kernel parameters from validated tensors (shared by the CPU and CUDA launchers).
+inline RejectionSampleParams make_rejection_sample_params(
+    const at::Tensor& draft_token_ids, const c10::optional<at::Tensor>& draft_probs,
+    const at::Tensor& target_probs, const at::Tensor& uniform_accept,
+    const at::Tensor& uniform_resample, const c10::optional<at::Tensor>& num_draft_tokens,
+    at::Tensor& output_token_ids, at::Tensor& num_accepted, const RejectionSampleArgs& args) {
+  RejectionSampleParams p{};
+  p.draft_token_ids = draft_token_ids.const_data_ptr<int64_t>();
+  p.draft_probs = draft_probs.has_value() ? draft_probs->const_data_ptr<float>() : nullptr;
+  p.target_probs = target_probs.const_data_ptr<float>();
+  p.uniform_accept = uniform_accept.const_data_ptr<float>();
+  p.uniform_resample = uniform_resample.const_data_ptr<float>();
+  p.num_draft_tokens =
+      num_draft_tokens.has_value() ? num_draft_tokens->const_data_ptr<int32_t>() : nullptr;
+  p.output_token_ids = output_token_ids.data_ptr<int64_t>();
+  p.num_accepted = num_accepted.data_ptr<int32_t>();
+  p.batch = args.batch;
+  p.k = args.k;
+  p.vocab = args.vocab;
+  return p;
+}
+
 }  // namespace pagedspec

@@ -708,34 +708,9 @@ void paged_attention_cpu_impl(const char* op, Variant variant, bool dispatch, at
   if (args.num_tokens == 0 || args.num_seqs == 0) return;
   PAGEDSPEC_DISPATCH_ACTIVATION(query.scalar_type(), op, "query", [&] {
     PAGEDSPEC_DISPATCH_CACHE_FORMAT(args.format, [&] {
-      PagedAttentionParams<scalar_t, cache_t> p{};
-      p.out = out.data_ptr<scalar_t>();
-      p.query = query.const_data_ptr<scalar_t>();
-      p.key_cache = static_cast<const cache_t*>(key_cache.const_data_ptr());
-      p.value_cache = static_cast<const cache_t*>(value_cache.const_data_ptr());
-      p.block_tables = block_tables.const_data_ptr<int>();
-      p.seq_lens = seq_lens.const_data_ptr<int>();
-      p.cu_seqlens_q = cu_seqlens_q.const_data_ptr<int>();
-      p.k_scale = args.k_scale;
-      p.v_scale = args.v_scale;
-      p.lse = lse.has_value() ? lse->data_ptr<float>() : nullptr;
-      p.attn_mass = attn_mass.has_value() ? attn_mass->data_ptr<float>() : nullptr;
-      p.scale = static_cast<float>(scale);
-      p.q_token_stride = query.stride(0);
-      p.q_head_stride = query.stride(1);
-      p.out_token_stride = out.stride(0);
-      p.out_head_stride = out.stride(1);
-      p.num_blocks = args.num_blocks;
-      p.num_tokens = static_cast<int>(args.num_tokens);
-      p.num_seqs = static_cast<int>(args.num_seqs);
-      p.num_heads = static_cast<int>(args.num_heads);
-      p.num_kv_heads = static_cast<int>(args.num_kv_heads);
-      p.head_size = static_cast<int>(args.head_size);
-      p.block_size = static_cast<int>(args.block_size);
-      p.block_shift = args.block_shift();
-      p.max_blocks_per_seq = static_cast<int>(args.max_blocks_per_seq);
-      p.max_q_len = static_cast<int>(args.launch_max_q_len());
-      p.max_partitions = 1;
+      auto p = make_attention_params<scalar_t, cache_t>(out, query, key_cache, value_cache,
+                                                        block_tables, seq_lens, cu_seqlens_q,
+                                                        scale, lse, attn_mass, args);
       run_cpu<scalar_t, cache_t, kCacheFormat>(p, args, variant, dispatch, query);
     });
   });

@@ -56,20 +56,8 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
   check_slots_in_range("reshape_and_cache", slot_mapping, args.geo.num_slots());
   PAGEDSPEC_DISPATCH_ACTIVATION(key.scalar_type(), "reshape_and_cache", "key", [&] {
     PAGEDSPEC_DISPATCH_CACHE_FORMAT(args.format, [&] {
-      ReshapeAndCacheParams<scalar_t, cache_t> p{};
-      p.key = key.const_data_ptr<scalar_t>();
-      p.value = value.const_data_ptr<scalar_t>();
-      p.key_cache = static_cast<cache_t*>(key_cache.data_ptr());
-      p.value_cache = static_cast<cache_t*>(value_cache.data_ptr());
-      p.slot_mapping = slot_mapping.const_data_ptr<int64_t>();
-      p.k_scale = args.k_scale;
-      p.v_scale = args.v_scale;
-      p.num_tokens = args.num_tokens;
-      p.key_token_stride = key.stride(0);
-      p.key_head_stride = key.stride(1);
-      p.value_token_stride = value.stride(0);
-      p.value_head_stride = value.stride(1);
-      p.geo = args.geo;
+      const auto p = make_reshape_and_cache_params<scalar_t, cache_t>(
+          key, value, key_cache, value_cache, slot_mapping, args);
       reshape_and_cache_cpu_impl<scalar_t, cache_t, kCacheFormat>(p);
     });
   });

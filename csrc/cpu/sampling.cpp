@@ -162,19 +162,9 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cpu(
   }
   check_draft_ids_values("rejection_sample", draft_token_ids, num_draft_tokens, args.vocab);
   auto [output_token_ids, num_accepted] = make_verify_outputs(draft_token_ids);
-  RejectionSampleParams p{};
-  p.draft_token_ids = draft_token_ids.const_data_ptr<int64_t>();
-  p.draft_probs = draft_probs.has_value() ? draft_probs->const_data_ptr<float>() : nullptr;
-  p.target_probs = target_probs.const_data_ptr<float>();
-  p.uniform_accept = uniform_accept.const_data_ptr<float>();
-  p.uniform_resample = uniform_resample.const_data_ptr<float>();
-  p.num_draft_tokens =
-      num_draft_tokens.has_value() ? num_draft_tokens->const_data_ptr<int32_t>() : nullptr;
-  p.output_token_ids = output_token_ids.data_ptr<int64_t>();
-  p.num_accepted = num_accepted.data_ptr<int32_t>();
-  p.batch = args.batch;
-  p.k = args.k;
-  p.vocab = args.vocab;
+  const RejectionSampleParams p = make_rejection_sample_params(
+      draft_token_ids, draft_probs, target_probs, uniform_accept, uniform_resample,
+      num_draft_tokens, output_token_ids, num_accepted, args);
   // A request reads about one probability row; small vocabularies batch many requests per task.
   const int64_t grain = std::max<int64_t>(1, 32768 / (args.vocab + 64));
   at::parallel_for(0, args.batch, grain, [&](int64_t begin, int64_t end) {

@@ -68,20 +68,8 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
     using in_t = device_t<scalar_t>;
     PAGEDSPEC_DISPATCH_CACHE_FORMAT(args.format, [&] {
       using store_t = std::conditional_t<kCacheFormat == CacheFormat::kNative, in_t, uint8_t>;
-      ReshapeAndCacheParams<in_t, store_t> p{};
-      p.key = static_cast<const in_t*>(key.const_data_ptr());
-      p.value = static_cast<const in_t*>(value.const_data_ptr());
-      p.key_cache = static_cast<store_t*>(key_cache.data_ptr());
-      p.value_cache = static_cast<store_t*>(value_cache.data_ptr());
-      p.slot_mapping = slot_mapping.const_data_ptr<int64_t>();
-      p.k_scale = args.k_scale;
-      p.v_scale = args.v_scale;
-      p.num_tokens = args.num_tokens;
-      p.key_token_stride = key.stride(0);
-      p.key_head_stride = key.stride(1);
-      p.value_token_stride = value.stride(0);
-      p.value_head_stride = value.stride(1);
-      p.geo = args.geo;
+      const auto p = make_reshape_and_cache_params<in_t, store_t>(key, value, key_cache,
+                                                                  value_cache, slot_mapping, args);
       constexpr int kVec = kVec16<in_t>;
       // 16-byte loads need every row start aligned; otherwise fall back to scalar accesses.
       const bool vectorizable =

@@ -359,19 +359,9 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
   if (args.batch == 0) return {output_token_ids, num_accepted};
   const c10::cuda::CUDAGuard guard(target_probs.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  RejectionSampleParams p{};
-  p.draft_token_ids = draft_token_ids.const_data_ptr<int64_t>();
-  p.draft_probs = draft_probs.has_value() ? draft_probs->const_data_ptr<float>() : nullptr;
-  p.target_probs = target_probs.const_data_ptr<float>();
-  p.uniform_accept = uniform_accept.const_data_ptr<float>();
-  p.uniform_resample = uniform_resample.const_data_ptr<float>();
-  p.num_draft_tokens =
-      num_draft_tokens.has_value() ? num_draft_tokens->const_data_ptr<int32_t>() : nullptr;
-  p.output_token_ids = output_token_ids.data_ptr<int64_t>();
-  p.num_accepted = num_accepted.data_ptr<int32_t>();
-  p.batch = args.batch;
-  p.k = args.k;
-  p.vocab = args.vocab;
+  const RejectionSampleParams p = make_rejection_sample_params(
+      draft_token_ids, draft_probs, target_probs, uniform_accept, uniform_resample,
+      num_draft_tokens, output_token_ids, num_accepted, args);
   const size_t smem = static_cast<size_t>(sample_num_tiles(args.vocab)) * sizeof(float);
   // 16-byte loads need every row 16-byte aligned: vocab % 4 == 0 and aligned base pointers.
   const bool vectorizable = args.vocab % 4 == 0 && aligned16(p.target_probs) &&
