@@ -241,4 +241,20 @@ PagedAttentionParams<QT, CacheT> make_attention_params(
   return p;
 }
 
+// Which kernel an entry point runs: v1, v2, or the backend's dispatcher rule.
+enum class Variant { kV1, kV2, kAuto };
+
 }  // namespace pagedspec
+
+// Defines an op entry point NAME with the attention schema's signature that calls
+// IMPL(OP, VARIANT, out, query, ...): the three ops share one implementation per backend.
+#define PAGEDSPEC_ATTENTION_ENTRY(NAME, IMPL, OP, VARIANT)                                      \
+  void NAME(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,              \
+            const at::Tensor& value_cache, const at::Tensor& block_tables,                      \
+            const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q, int64_t max_q_len,      \
+            double scale, const c10::optional<at::Tensor>& k_scale,                             \
+            const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lse,     \
+            const c10::optional<at::Tensor>& attn_mass) {                                       \
+    IMPL(OP, VARIANT, out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, \
+         max_q_len, scale, k_scale, v_scale, lse, attn_mass);                                   \
+  }

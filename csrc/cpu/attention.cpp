@@ -584,8 +584,6 @@ class CpuPagedAttention {
   const PagedAttentionParams<QT, CacheT>& p_;
 };
 
-enum class Variant { kV1, kV2 };
-
 // Dispatcher rule (CPU): v2 when v1 would leave threads idle on a long context, i.e. fewer than
 // two v1 tasks per thread and a context of at least two partitions; v1 otherwise.
 bool cpu_prefers_v2(int64_t v1_tasks, int64_t longest_context) {
@@ -595,7 +593,7 @@ bool cpu_prefers_v2(int64_t v1_tasks, int64_t longest_context) {
 
 template <typename QT, typename CacheT, CacheFormat F>
 void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, Variant variant,
-             bool dispatch, const at::Tensor& query) {
+             const at::Tensor& query) {
   CpuPagedAttention<QT, CacheT, F> kernel(p);
   const int G = p.group_size();
 
@@ -612,7 +610,7 @@ void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, Var
       }
     }
   }
-  if (dispatch) {
+  if (variant == Variant::kAuto) {
     variant = cpu_prefers_v2(int64_t(v1_tasks.size()), longest) ? Variant::kV2 : Variant::kV1;
   }
 
@@ -691,7 +689,7 @@ void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, Var
   }
 }
 
-void paged_attention_cpu_impl(const char* op, Variant variant, bool dispatch, at::Tensor& out,
+void paged_attention_cpu_impl(const char* op, Variant variant, at::Tensor& out,
                               const at::Tensor& query, const at::Tensor& key_cache,
                               const at::Tensor& value_cache, const at::Tensor& block_tables,
                               const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
@@ -711,49 +709,17 @@ void paged_attention_cpu_impl(const char* op, Variant variant, bool dispatch, at
       auto p = make_attention_params<scalar_t, cache_t>(out, query, key_cache, value_cache,
                                                         block_tables, seq_lens, cu_seqlens_q,
                                                         scale, lse, attn_mass, args);
-      run_cpu<scalar_t, cache_t, kCacheFormat>(p, args, variant, dispatch, query);
+      run_cpu<scalar_t, cache_t, kCacheFormat>(p, args, variant, query);
     });
   });
 }
 
-void paged_attention_v1_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
-                            int64_t max_q_len, double scale,
-                            const c10::optional<at::Tensor>& k_scale,
-                            const c10::optional<at::Tensor>& v_scale,
-                            const c10::optional<at::Tensor>& lse,
-                            const c10::optional<at::Tensor>& attn_mass) {
-  paged_attention_cpu_impl("paged_attention_v1", Variant::kV1, false, out, query, key_cache,
-                           value_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, scale,
-                           k_scale, v_scale, lse, attn_mass);
-}
-
-void paged_attention_v2_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache, const at::Tensor& block_tables,
-                            const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
-                            int64_t max_q_len, double scale,
-                            const c10::optional<at::Tensor>& k_scale,
-                            const c10::optional<at::Tensor>& v_scale,
-                            const c10::optional<at::Tensor>& lse,
-                            const c10::optional<at::Tensor>& attn_mass) {
-  paged_attention_cpu_impl("paged_attention_v2", Variant::kV2, false, out, query, key_cache,
-                           value_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, scale,
-                           k_scale, v_scale, lse, attn_mass);
-}
-
-void paged_attention_dispatch_cpu(at::Tensor& out, const at::Tensor& query,
-                                  const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  const at::Tensor& cu_seqlens_q, int64_t max_q_len, double scale,
-                                  const c10::optional<at::Tensor>& k_scale,
-                                  const c10::optional<at::Tensor>& v_scale,
-                                  const c10::optional<at::Tensor>& lse,
-                                  const c10::optional<at::Tensor>& attn_mass) {
-  paged_attention_cpu_impl("paged_attention", Variant::kV1, true, out, query, key_cache,
-                           value_cache, block_tables, seq_lens, cu_seqlens_q, max_q_len, scale,
-                           k_scale, v_scale, lse, attn_mass);
-}
+PAGEDSPEC_ATTENTION_ENTRY(paged_attention_v1_cpu, paged_attention_cpu_impl, "paged_attention_v1",
+                          Variant::kV1)
+PAGEDSPEC_ATTENTION_ENTRY(paged_attention_v2_cpu, paged_attention_cpu_impl, "paged_attention_v2",
+                          Variant::kV2)
+PAGEDSPEC_ATTENTION_ENTRY(paged_attention_dispatch_cpu, paged_attention_cpu_impl, "paged_attention",
+                          Variant::kAuto)
 
 }  // namespace
 

@@ -399,8 +399,6 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
 }
 
-enum class Variant { kV1, kV2, kAuto };
-
 // Dispatcher rule (CUDA): v2 when v1 would run fewer than kV1MinWaves full waves of CTAs
 // (num_seqs x num_kv_heads x row chunks < kV1MinWaves x SMs x resident CTAs per SM, the last from
 // the occupancy calculator) and the block table can describe a context of at least two
@@ -608,21 +606,12 @@ void paged_attention_cuda_impl(const char* op, Variant variant, at::Tensor& out,
   }
 }
 
-#define PAGEDSPEC_ATTENTION_ENTRY(NAME, OP, VARIANT)                                            \
-  void NAME(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,              \
-            const at::Tensor& value_cache, const at::Tensor& block_tables,                      \
-            const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q, int64_t max_q_len,      \
-            double scale, const c10::optional<at::Tensor>& k_scale,                             \
-            const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& lse,     \
-            const c10::optional<at::Tensor>& attn_mass) {                                       \
-    paged_attention_cuda_impl(OP, VARIANT, out, query, key_cache, value_cache, block_tables,    \
-                              seq_lens, cu_seqlens_q, max_q_len, scale, k_scale, v_scale, lse,  \
-                              attn_mass);                                                       \
-  }
-
-PAGEDSPEC_ATTENTION_ENTRY(paged_attention_v1_cuda, "paged_attention_v1", Variant::kV1)
-PAGEDSPEC_ATTENTION_ENTRY(paged_attention_v2_cuda, "paged_attention_v2", Variant::kV2)
-PAGEDSPEC_ATTENTION_ENTRY(paged_attention_dispatch_cuda, "paged_attention", Variant::kAuto)
+PAGEDSPEC_ATTENTION_ENTRY(paged_attention_v1_cuda, paged_attention_cuda_impl, "paged_attention_v1",
+                          Variant::kV1)
+PAGEDSPEC_ATTENTION_ENTRY(paged_attention_v2_cuda, paged_attention_cuda_impl, "paged_attention_v2",
+                          Variant::kV2)
+PAGEDSPEC_ATTENTION_ENTRY(paged_attention_dispatch_cuda, paged_attention_cuda_impl, "paged_attention",
+                          Variant::kAuto)
 
 }  // namespace
 
