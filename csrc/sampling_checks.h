@@ -140,4 +140,20 @@ inline RejectionSampleParams make_rejection_sample_params(
   return p;
 }
 
+inline GreedyVerifyParams make_greedy_verify_params(
+    const at::Tensor& draft_token_ids, const at::Tensor& target_token_ids,
+    const c10::optional<at::Tensor>& num_draft_tokens, at::Tensor& output_token_ids,
+    at::Tensor& num_accepted) {
+  GreedyVerifyParams p{};
+  p.draft_token_ids = draft_token_ids.const_data_ptr<int64_t>();
+  p.target_token_ids = target_token_ids.const_data_ptr<int64_t>();
+  p.num_draft_tokens =
+      num_draft_tokens.has_value() ? num_draft_tokens->const_data_ptr<int32_t>() : nullptr;
+  p.output_token_ids = output_token_ids.data_ptr<int64_t>();
+  p.num_accepted = num_accepted.data_ptr<int32_t>();
+  p.batch = draft_token_ids.size(0);
+  p.k = draft_token_ids.size(1);
+  return p;
+}
+
 }  // namespace pagedspec

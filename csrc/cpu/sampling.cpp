@@ -183,15 +183,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_verify_cpu(
     check_num_draft_tokens_values("greedy_verify", *num_draft_tokens, k);
   }
   auto [output_token_ids, num_accepted] = make_verify_outputs(draft_token_ids);
-  GreedyVerifyParams p{};
-  p.draft_token_ids = draft_token_ids.const_data_ptr<int64_t>();
-  p.target_token_ids = target_token_ids.const_data_ptr<int64_t>();
-  p.num_draft_tokens =
-      num_draft_tokens.has_value() ? num_draft_tokens->const_data_ptr<int32_t>() : nullptr;
-  p.output_token_ids = output_token_ids.data_ptr<int64_t>();
-  p.num_accepted = num_accepted.data_ptr<int32_t>();
-  p.batch = draft_token_ids.size(0);
-  p.k = k;
+  const GreedyVerifyParams p = make_greedy_verify_params(
+      draft_token_ids, target_token_ids, num_draft_tokens, output_token_ids, num_accepted);
   at::parallel_for(0, p.batch, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) greedy_verify_request(p, b);
   });

@@ -390,15 +390,8 @@ std::tuple<at::Tensor, at::Tensor> greedy_verify_cuda(
   if (batch == 0) return {output_token_ids, num_accepted};
   const c10::cuda::CUDAGuard guard(draft_token_ids.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  GreedyVerifyParams p{};
-  p.draft_token_ids = draft_token_ids.const_data_ptr<int64_t>();
-  p.target_token_ids = target_token_ids.const_data_ptr<int64_t>();
-  p.num_draft_tokens =
-      num_draft_tokens.has_value() ? num_draft_tokens->const_data_ptr<int32_t>() : nullptr;
-  p.output_token_ids = output_token_ids.data_ptr<int64_t>();
-  p.num_accepted = num_accepted.data_ptr<int32_t>();
-  p.batch = batch;
-  p.k = k;
+  const GreedyVerifyParams p = make_greedy_verify_params(
+      draft_token_ids, target_token_ids, num_draft_tokens, output_token_ids, num_accepted);
   greedy_verify_kernel<<<ceil_div(batch, kGreedyThreads), kGreedyThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {output_token_ids, num_accepted};
