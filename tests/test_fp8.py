@@ -17,6 +17,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
         {2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
+def _assert_quantize_matches_reference(x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype):
+    """The op's FP8 codes equal the reference's bit for bit."""
+    out = torch.empty(x.shape, dtype=fp8, device=x.device)
+    expected = torch.empty_like(out)
+    ops.quantize_fp8(out, x, scale)
+    reference.quantize_fp8(expected, x, scale)
+    assert torch.equal(_bits(out), _bits(expected)), f"scale {scale.tolist()}"
+
+
 def _special_values(gen: torch.Generator, n: int, fp8: torch.dtype) -> torch.Tensor:
     """Random values spanning every magnitude class of the FP8 format: subnormals, normals, exact
     ties between two codes, values past the largest finite, infinities, NaN, signed zeros."""
@@ -45,11 +54,7 @@ def test_quantize_matches_reference_bitwise(device, fp8, wide, per_head, gen):
     x = _special_values(gen, 3 * heads * head_size * 8, fp8).reshape(-1, heads, head_size)
     x = x.to(wide).to(device)
     scale = (torch.rand(heads if per_head else (), generator=gen) * 3 + 0.25).to(device)
-    out = torch.empty(x.shape, dtype=fp8, device=device)
-    expected = torch.empty_like(out)
-    ops.quantize_fp8(out, x, scale)
-    reference.quantize_fp8(expected, x, scale)
-    assert torch.equal(_bits(out), _bits(expected))
+    _assert_quantize_matches_reference(x, scale, fp8)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -60,11 +65,7 @@ def test_quantize_every_16bit_input(device, fp8, wide):
     x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(wide).to(device)
     for s in (1.0, 0.37):
         scale = torch.tensor(s, device=device)
-        out = torch.empty(x.shape, dtype=fp8, device=device)
-        expected = torch.empty_like(out)
-        ops.quantize_fp8(out, x, scale)
-        reference.quantize_fp8(expected, x, scale)
-        assert torch.equal(_bits(out), _bits(expected)), f"scale {s}"
+        _assert_quantize_matches_reference(x, scale, fp8)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -73,11 +74,7 @@ def test_quantize_random_float32_bit_patterns(device, fp8, gen):
     bits = torch.randint(-(2**31), 2**31 - 1, (1 << 18,), generator=gen, dtype=torch.int64)
     x = bits.to(torch.int32).view(torch.float32).to(device)
     scale = torch.tensor(1.0, device=device)
-    out = torch.empty(x.shape, dtype=fp8, device=device)
-    expected = torch.empty_like(out)
-    ops.quantize_fp8(out, x, scale)
-    reference.quantize_fp8(expected, x, scale)
-    assert torch.equal(_bits(out), _bits(expected))
+    _assert_quantize_matches_reference(x, scale, fp8)
 
 
 @pytest.mark.parametrize("device", DEVICES)
