@@ -493,3 +493,22 @@ def test_cuda_negative_increments(gen):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert "cms_update: increments must be >= 0, got increments[2] = -3" in out.stdout, out
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_large_conservative_batch_is_independent_of_thread_count(threads, gen):
+    """Large batches (>= 2^14 keys) run the multi-threaded paths: the conservative sketch must
+    equal the reference bit for bit whatever the number of threads."""
+    keys = torch.randint(-(2**62), 2**62, (39999,), generator=gen)
+    keys[::3] = keys[1::3]  # a third of the keys repeat another
+    inc = torch.randint(0, 1 << 27, (39999,), generator=gen, dtype=torch.int32)
+    sketch = torch.randint(0, 1 << 20, (4, 3001), generator=gen, dtype=torch.int32)
+    expected = sketch.numpy().copy()
+    np_update(expected, keys.numpy(), inc.numpy(), conservative=True)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ops.cms_update(sketch, keys, inc, conservative=True)
+    finally:
+        torch.set_num_threads(previous)
+    assert np.array_equal(sketch.numpy(), expected)
