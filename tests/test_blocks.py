@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings, strategies as st
@@ -18,87 +17,6 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import pagedspec
 from pagedspec import ops
 from pagedspec.engine import BlockManager, Evictor, KVCache, hash_block
-
-# ---- count-min sketch fallback -----------------------------------------------------------------
-# The cms_* kernels land separately; until then the tests run on this numpy version of the
-# contract (fmix64 of key + (r+1) * golden ratio, mod width). It is used only if the op is missing.
-_MASK = (1 << 64) - 1
-
-
-def _columns(keys: torch.Tensor, depth: int, width: int) -> np.ndarray:
-    x = keys.numpy().astype(np.uint64)[None, :] + (
-        np.arange(1, depth + 1, dtype=np.uint64)[:, None] * np.uint64(0x9E3779B97F4A7C15))
-    x ^= x >> np.uint64(33)
-    x *= np.uint64(0xFF51AFD7ED558CCD)
-    x ^= x >> np.uint64(33)
-    x *= np.uint64(0xC4CEB9FE1A85EC53)
-    x ^= x >> np.uint64(33)
-    return (x % np.uint64(width)).astype(np.int64)
-
-
-def _cms_query(sketch, keys):
-    cols = _columns(keys, *sketch.shape)
-    rows = np.arange(sketch.shape[0])[:, None]
-    return torch.from_numpy(sketch.numpy()[rows, cols].min(axis=0).astype(np.int32))
-
-
-def _cms_update(sketch, keys, increments=None, conservative=False):
-    inc = (np.ones(len(keys), np.int64) if increments is None
-           else increments.numpy().astype(np.int64))
-    uniq, inverse = np.unique(keys.numpy(), return_inverse=True)
-    total = np.zeros(len(uniq), np.int64)
-    np.add.at(total, inverse, inc)
-    s = sketch.numpy()  # shares memory with the tensor
-    cols = _columns(torch.from_numpy(uniq), *s.shape)
-    rows = np.arange(s.shape[0])[:, None]
-    counts = s.astype(np.int64)
-    if conservative:
-        target = counts[rows, cols].min(axis=0) + total
-        np.maximum.at(counts, (np.broadcast_to(rows, cols.shape), cols), target[None, :])
-    else:
-        np.add.at(counts, (np.broadcast_to(rows, cols.shape), cols), total[None, :])
-    s[...] = np.minimum(counts, 2**31 - 1)
-
-
-def _cms_decay(sketch, shift=1):
-    sketch.bitwise_right_shift_(shift)
-
-
-def _sketch_kernels_missing() -> bool:
-    try:
-        ops.cms_query(torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
-        return False
-    except (NotImplementedError, RuntimeError):
-        return True
-
-
-SKETCH_FALLBACK = _sketch_kernels_missing()
-
-
-def install_sketch_fallback(monkeypatch) -> None:
-    if SKETCH_FALLBACK:
-        monkeypatch.setattr(ops, "cms_update", _cms_update)
-        monkeypatch.setattr(ops, "cms_query", _cms_query)
-        monkeypatch.setattr(ops, "cms_decay", _cms_decay)
-
-
-@pytest.fixture(autouse=True)
-def _sketch(monkeypatch):
-    install_sketch_fallback(monkeypatch)
-
-
-def test_sketch_fallback_matches_contract():
-    # Scalar restatement of the contract's hash, to keep the fallback honest.
-    def col(key, r, width):
-        x = (key + (r + 1) * 0x9E3779B97F4A7C15) & _MASK
-        for mul in (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53):
-            x ^= x >> 33
-            x = (x * mul) & _MASK
-        return (x ^ (x >> 33)) % width
-    keys = torch.tensor([0, 1, -1, 2**62, -(2**63)], dtype=torch.int64)
-    expected = [[col(k & _MASK, r, 100) for k in keys.tolist()] for r in range(3)]
-    assert _columns(keys, 3, 100).tolist() == expected
-
 
 # ---- helpers -----------------------------------------------------------------------------------
 BS = 8

@@ -16,12 +16,7 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from pagedspec.engine import BlockManager, Scheduler, SchedulerConfig, SequenceStatus
-from test_blocks import BS, install_sketch_fallback, make_cache, write_tokens
-
-
-@pytest.fixture(autouse=True)
-def _sketch(monkeypatch):
-    install_sketch_fallback(monkeypatch)
+from test_blocks import BS, make_cache, write_tokens
 
 
 def next_token(seq, position: int) -> int:

@@ -23,7 +23,6 @@ import time
 import numpy as np
 import torch
 
-from pagedspec import ops
 from pagedspec.engine import BlockManager, Scheduler, SchedulerConfig
 
 BLOCK_SIZE = 16
@@ -74,14 +73,6 @@ def simulate(sched: Scheduler, requests, on_step=None) -> dict:
         if on_step:
             on_step(sched)
     return {"steps": steps, "tokens": tokens, "preemptions": preempted, "sim_seconds": clock}
-
-
-def sketch_available() -> bool:
-    try:
-        ops.cms_query(torch.zeros(1, 8, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
-        return True
-    except (NotImplementedError, RuntimeError):
-        return False
 
 
 # ---- memory ------------------------------------------------------------------------------------
@@ -174,9 +165,6 @@ def bench_prefix(scale: float, seed: int, num_blocks: int = 2048) -> dict:
     for name, requests in workloads.items():
         out[name] = {"requests": len(requests)}
         for policy, args in policies.items():
-            if policy != "lru" and not sketch_available():
-                out[name][policy] = "skipped: the cms_* ops have no kernel in this build"
-                continue
             bm = BlockManager(num_blocks, BLOCK_SIZE, **args)
             sched = Scheduler(SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=4096), bm)
             stats = simulate(sched, requests)
@@ -189,7 +177,7 @@ def bench_prefix(scale: float, seed: int, num_blocks: int = 2048) -> dict:
 def bench_overhead(num_seqs: int, seed: int, steps: int = 200, context=(512, 1536)) -> dict:
     rng = np.random.default_rng(seed)
     blocks_per_seq = (context[1] + steps + 2 * BLOCK_SIZE) // BLOCK_SIZE
-    eviction = "popularity" if sketch_available() else "lru"
+    eviction = "popularity"
     bm = BlockManager(num_seqs * blocks_per_seq + 64, BLOCK_SIZE, eviction=eviction)
     sched = Scheduler(SchedulerConfig(max_num_seqs=num_seqs,
                                       max_num_batched_tokens=max(8192, 2 * num_seqs)), bm)
@@ -233,7 +221,7 @@ def main(argv=None) -> dict:
     result = {
         "env": {"cpu": platform.processor() or platform.machine(),
                 "python": platform.python_version(),
-                "torch": torch.__version__, "sketch_ops": sketch_available(),
+                "torch": torch.__version__,
                 "cost_model": {"step_s": STEP_S, "token_s": TOKEN_S}},
         "memory": bench_memory(int(2000 * scale), args.seed),
         "prefix": bench_prefix(scale, args.seed),
@@ -253,8 +241,7 @@ def main(argv=None) -> dict:
         row = [f"{name} ({p[name]['requests']} requests)"]
         for policy in ("lru", "popularity", "popularity_long_memory"):
             r = p[name][policy]
-            row.append(f"{policy} " + (f"{r['block_hit_rate']:.1%}" if isinstance(r, dict)
-                                       else "skipped (no cms_* kernels)"))
+            row.append(f"{policy} {r['block_hit_rate']:.1%}")
         print("  " + ", ".join(row))
     print("scheduler overhead per step (schedule + update, median wall time)")
     for o in result["overhead"]:
