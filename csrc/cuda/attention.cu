@@ -591,7 +591,7 @@ void paged_attention_cuda_impl(const char* op, Variant variant, at::Tensor& out,
   if (args.num_tokens == 0 || args.num_seqs == 0) return;
   for (const auto& [name, cache] : {std::pair<const char*, const at::Tensor*>{"key_cache", &key_cache},
                                     {"value_cache", &value_cache}}) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(cache->const_data_ptr()) % 16 == 0, "pagedspec.", op,
+    TORCH_CHECK(is_aligned(cache->const_data_ptr(), 16), "pagedspec.", op,
                 ": ", name, " must start on a 16-byte boundary (the kernel loads 16 bytes at a "
                 "time), got address ", cache->const_data_ptr());
   }

@@ -48,10 +48,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool aligned_to(const void* ptr, int64_t bytes) {
-  return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
-}
-
 void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                             at::Tensor& value_cache, const at::Tensor& slot_mapping,
                             const c10::optional<at::Tensor>& k_scale,
@@ -75,7 +71,7 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
       const bool vectorizable =
           args.geo.head_size % kVec == 0 && p.key_token_stride % kVec == 0 &&
           p.key_head_stride % kVec == 0 && p.value_token_stride % kVec == 0 &&
-          p.value_head_stride % kVec == 0 && aligned_to(p.key, 16) && aligned_to(p.value, 16);
+          p.value_head_stride % kVec == 0 && is_aligned(p.key, 16) && is_aligned(p.value, 16);
       if (vectorizable) {
         reshape_and_cache_kernel<in_t, store_t, kCacheFormat, kVec>
             <<<args.num_tokens, kThreads, 0, stream>>>(p);
@@ -214,7 +210,7 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
   p.block_mapping = block_mapping.const_data_ptr<int64_t>();
   p.num_pairs = n;
   p.block_bytes = args.block_bytes;
-  const bool vec16 = args.block_bytes % 16 == 0 && aligned_to(p.src, 16) && aligned_to(p.dst, 16);
+  const bool vec16 = args.block_bytes % 16 == 0 && is_aligned(p.src, 16) && is_aligned(p.dst, 16);
   if (vec16) {
     swap_blocks_kernel<uint4><<<n, kThreads, 0, stream>>>(p, src.size(0), dst.size(0));
   } else {

@@ -27,6 +27,11 @@ struct DeviceScalar<at::BFloat16> {
 template <typename T>
 using device_t = typename DeviceScalar<T>::type;
 
+// Whether a pointer allows `bytes`-wide vector accesses (tensors with a storage offset may not).
+inline bool is_aligned(const void* ptr, int64_t bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+}
+
 inline int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
 // Number of SMs of the current device (cached per device; no synchronization).

@@ -51,8 +51,8 @@ void launch_fp8_convert(const at::Tensor& out, const at::Tensor& input,
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   constexpr int kVec = 8;  // 8 elements: 16 bytes of half/bf16, 8 bytes of FP8
   const bool vectorizable = args.head_size % kVec == 0 && p.numel % kVec == 0 &&
-                            reinterpret_cast<uintptr_t>(p.input) % (sizeof(SrcT) * kVec) == 0 &&
-                            reinterpret_cast<uintptr_t>(p.out) % (sizeof(DstT) * kVec) == 0;
+                            is_aligned(p.input, sizeof(SrcT) * kVec) &&
+                            is_aligned(p.out, sizeof(DstT) * kVec);
   const int vec = vectorizable ? kVec : 1;
   const int64_t chunks = p.numel / vec;
   const int blocks = static_cast<int>(std::min<int64_t>(

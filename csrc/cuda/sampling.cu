@@ -317,7 +317,6 @@ __global__ void __launch_bounds__(kGreedyThreads) greedy_verify_kernel(const Gre
   if (b < p.batch) greedy_verify_request(p, b);
 }
 
-bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 template <int kVec>
 void set_dynamic_smem(size_t bytes, int64_t vocab, int device) {
@@ -364,8 +363,8 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
       num_draft_tokens, output_token_ids, num_accepted, args);
   const size_t smem = static_cast<size_t>(sample_num_tiles(args.vocab)) * sizeof(float);
   // 16-byte loads need every row 16-byte aligned: vocab % 4 == 0 and aligned base pointers.
-  const bool vectorizable = args.vocab % 4 == 0 && aligned16(p.target_probs) &&
-                            (p.draft_probs == nullptr || aligned16(p.draft_probs));
+  const bool vectorizable = args.vocab % 4 == 0 && is_aligned(p.target_probs, 16) &&
+                            (p.draft_probs == nullptr || is_aligned(p.draft_probs, 16));
   const int device = target_probs.get_device();
   if (vectorizable) {
     set_dynamic_smem<4>(smem, args.vocab, device);

@@ -218,7 +218,7 @@ void cms_decay_cuda(at::Tensor& sketch, int64_t shift) {
   const int device = sketch.get_device();
   constexpr int kVec = kVec16<int32_t>;
   // 16-byte accesses over the aligned multiple-of-4 body; a short scalar launch for the rest.
-  const bool aligned = reinterpret_cast<uintptr_t>(counters) % 16 == 0;
+  const bool aligned = is_aligned(counters, 16);
   const int64_t body = aligned ? numel / kVec * kVec : 0;
   if (body > 0) {
     cms_decay_kernel<kVec><<<grid_size(body / kVec, device), kThreads, 0, stream>>>(counters, body,
