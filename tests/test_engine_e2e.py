@@ -1,20 +1,23 @@
-"""End to end: scheduler + paged model runner + speculative decoding on a tiny random Llama (CPU).
+"""End to end: scheduler + paged model runner + speculative decoding on tiny random Llama
+checkpoints (built with ``transformers``, loaded with pagedspec's loader, CPU).
 
-The paged runner's logits are checked against a dense forward of the same weights (contiguous K/V,
-``scaled_dot_product_attention``), through chunked prefill, prefix-cache hits and decode steps;
-then greedy speculative decoding must emit exactly plain greedy decoding's tokens, in fewer target
-steps when drafts are accepted, also when a small pool forces preemption (recompute and swap).
-KV caches start as NaN, so a read of a slot that was never written poisons the logits.
+The paged runner's logits are checked against ``transformers``' own forward pass of the same
+checkpoint, through chunked prefill, prefix-cache hits and decode steps; then greedy speculative
+decoding must emit exactly plain greedy decoding's tokens, in fewer target steps when drafts are
+accepted, also when a small pool forces preemption (recompute and swap). KV caches start as NaN,
+so a read of a slot that was never written poisons the logits.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedspec.engine import (BlockManager, KVCache, ModelConfig, ModelRunner, NgramProposer,
-                              Scheduler, SchedulerConfig, SpeculativeDecoder, TinyLlama)
+from checkpoints import BASE, hf_model, make_checkpoint
+from pagedspec.engine import (BlockManager, KVCache, ModelRunner, NgramProposer, Scheduler,
+                              SchedulerConfig, SpeculativeDecoder)
+from pagedspec.models import load_checkpoint
 
-VOCAB = ModelConfig().vocab_size
+VOCAB = BASE["vocab_size"]
 MAX_TOKENS = 40
 
 
@@ -29,22 +32,33 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def model() -> TinyLlama:
-    return TinyLlama(ModelConfig(), seed=0)
+def model_dir(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("llama"), "llama", seed=0)
 
 
 @pytest.fixture(scope="module")
-def spec_model() -> TinyLlama:
+def model(model_dir):
+    return load_checkpoint(model_dir).load_model(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    return hf_model(model_dir)
+
+
+@pytest.fixture(scope="module")
+def spec_model(tmp_path_factory):
     # Smaller layer outputs: closer to a bigram model whose greedy output soon repeats itself,
     # so n-gram drafts get accepted often (a random full-strength model rarely repeats).
-    return TinyLlama(ModelConfig(layer_scale=0.5), seed=0)
+    path = make_checkpoint(tmp_path_factory.mktemp("llama-spec"), "llama", seed=0,
+                           scale_outputs=0.5)
+    return load_checkpoint(path).load_model(torch.float32)
 
 
-def make_engine(model: TinyLlama, num_blocks: int = 64, block_size: int = 16, budget: int = 64,
+def make_engine(model, num_blocks: int = 64, block_size: int = 16, budget: int = 64,
                 max_num_seqs: int = 8, mode: str = "recompute", num_cpu_blocks: int = 0,
                 **decoder_args) -> SpeculativeDecoder:
-    c = model.config
-    kv = KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_size,
+    kv = KVCache(model.num_layers, num_blocks, block_size, model.num_kv_heads, model.head_size,
                  dtype=torch.float32, num_cpu_blocks=num_cpu_blocks)
     for cache in kv.key_caches + kv.value_caches:
         cache.fill_(float("nan"))
@@ -58,10 +72,10 @@ def random_prompt(gen: torch.Generator, n: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=gen).tolist()
 
 
-# ---- (a) paged runner == dense reference -------------------------------------------------------
-def check_against_dense(model: TinyLlama, decoder: SpeculativeDecoder, counts: dict) -> None:
+# ---- (a) paged runner == transformers ----------------------------------------------------------
+def check_against_dense(hf, decoder: SpeculativeDecoder, counts: dict) -> None:
     """Run the scheduler to completion with greedy sampling, comparing every step's logits, at
-    every row, with the dense forward of each sequence's tokens up to that row."""
+    every row, with transformers' forward of each sequence's tokens up to that row."""
     sched, runner = decoder.scheduler, decoder.runner
     while sched.has_unfinished():
         batch = sched.schedule()
@@ -72,9 +86,10 @@ def check_against_dense(model: TinyLlama, decoder: SpeculativeDecoder, counts: d
             end = int(positions[-1]) + 1
             counts["chunked"] += end < len(seq.token_ids)
             counts["decode"] += batch.num_scheduled_tokens[i] == 1
-            dense = model.dense_logits(torch.tensor(seq.token_ids[:end]))[positions]
+            with torch.no_grad():
+                dense = hf(torch.tensor([seq.token_ids[:end]])).logits[0][positions]
             # float32 throughout; the paths differ only in summation order (online softmax over
-            # pages vs SDPA, different matmul blockings), errors ~1e-6 of the logit scale after
+            # pages vs SDPA, fused vs separate projections), errors ~1e-6 of the logit scale after
             # two layers. 1e-4 of the scale is ~100x that, and far below real bugs (a wrong slot
             # or position changes logits by O(1)).
             tol = 1e-4 * dense.abs().max().item()
@@ -91,26 +106,26 @@ def check_against_dense(model: TinyLlama, decoder: SpeculativeDecoder, counts: d
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_paged_runner_matches_dense_reference(model, gen, block_size):
+def test_paged_runner_matches_transformers(model, hf, gen, block_size):
     decoder = make_engine(model, num_blocks=96, block_size=block_size, budget=32, max_num_seqs=4)
     counts = {"chunked": 0, "decode": 0}
     prompts = [random_prompt(gen, n) for n in (1, 7, 29, 45, 16, 3)]
     seqs = [decoder.scheduler.add(p, 12) for p in prompts]
-    check_against_dense(model, decoder, counts)
+    check_against_dense(hf, decoder, counts)
     assert counts["chunked"] > 0 and counts["decode"] > 0, counts
     # Prompts sharing the first ones' full blocks are served from the prefix cache.
     later = [decoder.scheduler.add(seqs[3].token_ids[:40] + random_prompt(gen, 5), 6),
              decoder.scheduler.add(prompts[2] + random_prompt(gen, 9), 6)]
-    check_against_dense(model, decoder, counts)
+    check_against_dense(hf, decoder, counts)
     assert all(s.num_cached_tokens > 0 for s in later)
 
 
 def test_runner_rejects_mismatched_cache(model):
-    c = model.config
-    kv = KVCache(c.num_layers + 1, 4, 16, c.num_kv_heads, c.head_size, dtype=torch.float32)
+    kv = KVCache(model.num_layers + 1, 4, 16, model.num_kv_heads, model.head_size,
+                 dtype=torch.float32)
     with pytest.raises(ValueError, match="layers"):
         ModelRunner(model, kv)
-    kv = KVCache(c.num_layers, 4, 16, c.num_kv_heads, 128, dtype=torch.float32)
+    kv = KVCache(model.num_layers, 4, 16, model.num_kv_heads, 128, dtype=torch.float32)
     with pytest.raises(ValueError, match="head size"):
         ModelRunner(model, kv)
 
@@ -128,7 +143,7 @@ def test_ngram_proposer():
 
 
 # ---- (b) greedy speculative == greedy ----------------------------------------------------------
-def spec_prompts(model: TinyLlama, gen: torch.Generator) -> list[list[int]]:
+def spec_prompts(model, gen: torch.Generator) -> list[list[int]]:
     """Repetitive prompts (a prefix, the model's own continuation of it, the prefix again: the
     continuation is then a likely draft), periodic ones, and random ones."""
     prompts = []
@@ -214,7 +229,7 @@ def test_preemption_keeps_greedy_outputs(spec_model, gen, mode, k):
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_docstring_example_runs():
+def test_docstring_example_runs(model_dir):
     import textwrap
 
     import pagedspec.engine.speculative as speculative
@@ -224,7 +239,7 @@ def test_docstring_example_runs():
             break
         lines.append(line)
     example = textwrap.dedent("\n".join(lines))
-    scope: dict = {}
+    scope: dict = {"checkpoint_dir": model_dir}
     exec(example, scope)
     outputs = scope["outputs"]
     assert [len(o) for o in outputs] == [16, 16]

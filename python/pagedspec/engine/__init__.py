@@ -1,16 +1,17 @@
-"""The serving layer over the ops: paged KV block management, continuous batching, a tiny model
-runner and speculative decoding.
+"""The serving layer over the ops: paged KV block management, continuous batching, the model
+runner (any :class:`CausalLM`), sampling and speculative decoding.
 
 Pure Python over :mod:`pagedspec.ops`; devices are plain ``torch.device`` values.
 """
 from pagedspec.engine.blocks import BlockManager, BlockOps, BlockTable, Evictor, KVCache, hash_block
-from pagedspec.engine.model import ModelConfig, TinyLlama
+from pagedspec.engine.model import AttendFn, CausalLM
 from pagedspec.engine.runner import ModelRunner
+from pagedspec.engine.sampler import SamplingRow
 from pagedspec.engine.scheduler import Scheduler, SchedulerConfig, StepBatch
 from pagedspec.engine.sequence import Sequence, SequenceStatus
 from pagedspec.engine.speculative import NgramProposer, SpeculativeDecoder
 
 __all__ = ["BlockManager", "BlockOps", "BlockTable", "Evictor", "KVCache", "hash_block",
-           "ModelConfig", "TinyLlama", "ModelRunner",
+           "AttendFn", "CausalLM", "ModelRunner", "SamplingRow",
            "Scheduler", "SchedulerConfig", "StepBatch", "Sequence", "SequenceStatus",
            "NgramProposer", "SpeculativeDecoder"]

@@ -523,7 +523,9 @@ class KVCache:
     """The KV cache tensors of all layers in the contract's layout, ``[NB, BS, Hkv, D]`` each,
     plus CPU swap space (pinned when the cache is on a CUDA device, so swaps are one kernel).
 
-    FP8 caches (``float8_e4m3fn`` / ``float8_e5m2``) carry per-tensor ``k_scale`` / ``v_scale``.
+    FP8 caches (``float8_e4m3fn`` / ``float8_e5m2``) carry one per-tensor scale per layer,
+    ``k_scales[layer]`` / ``v_scales[layer]`` (float32 ``[]``, 1.0 until set): stored value =
+    ``saturate(x / scale)``.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
@@ -539,8 +541,28 @@ class KVCache:
         self.value_caches = [make() for _ in range(num_layers)]
         self.cpu_key_caches = [make_cpu() for _ in range(num_layers)]
         self.cpu_value_caches = [make_cpu() for _ in range(num_layers)]
-        self.k_scale = torch.ones((), dtype=torch.float32, device=self.device)
-        self.v_scale = torch.ones((), dtype=torch.float32, device=self.device)
+        self.dtype = dtype
+        ones = lambda: torch.ones((), dtype=torch.float32, device=self.device)  # noqa: E731
+        self.k_scales = [ones() for _ in range(num_layers)]
+        self.v_scales = [ones() for _ in range(num_layers)]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+    def set_scales(self, k_scales: Sequence[float], v_scales: Sequence[float]) -> None:
+        """Per-layer FP8 scales (positive, finite); call before anything is cached."""
+        for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if len(scales) != len(self.key_caches):
+                raise ValueError(f"KVCache.set_scales: {name} has {len(scales)} entries, "
+                                 f"expected one per layer ({len(self.key_caches)})")
+            bad = [s for s in scales if not (0 < float(s) < float("inf"))]
+            if bad:
+                raise ValueError(f"KVCache.set_scales: {name} must be positive and finite, "
+                                 f"got {bad[0]}")
+        for dst, src in ((self.k_scales, k_scales), (self.v_scales, v_scales)):
+            for t, value in zip(dst, src):
+                t.fill_(float(value))
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_size: int,

@@ -99,7 +99,7 @@ class Scheduler:
 
     # ---- requests -----------------------------------------------------------------------------
     def add(self, prompt_token_ids: Seq[int], max_tokens: int,
-            eos_token_id: Optional[int] = None) -> Sequence:
+            eos_token_id: Optional[int] = None, stop_token_ids: Seq[int] = ()) -> Sequence:
         """Queue a request. It must fit the pool alone (so it can always complete)."""
         bm = self.block_manager
         if not prompt_token_ids or max_tokens < 1:
@@ -108,7 +108,7 @@ class Scheduler:
             raise ValueError(f"Scheduler.add: {len(prompt_token_ids)} + {max_tokens} tokens exceed "
                              f"the pool of {bm.num_blocks} x {bm.block_size} slots")
         seq = Sequence(next(self._ids), list(prompt_token_ids), max_tokens,
-                       next(self._arrivals), eos_token_id)
+                       next(self._arrivals), eos_token_id, frozenset(stop_token_ids))
         heapq.heappush(self.waiting, seq)
         return seq
 
@@ -118,8 +118,8 @@ class Scheduler:
         if seq.status is not SequenceStatus.RUNNING:
             raise ValueError("Scheduler.fork: only running sequences can be forked")
         child = Sequence(next(self._ids), list(seq.token_ids), seq.max_tokens, seq.arrival,
-                         seq.eos_token_id, seq.num_prompt_tokens, SequenceStatus.RUNNING,
-                         seq.num_computed_tokens)
+                         seq.eos_token_id, seq.stop_token_ids, seq.num_prompt_tokens,
+                         SequenceStatus.RUNNING, seq.num_computed_tokens)
         self.block_manager.fork(seq.seq_id, child.seq_id)
         insort(self.running, child)
         return child
@@ -278,7 +278,7 @@ class Scheduler:
             seq.num_computed_tokens = old + num
             if new:
                 seq.token_ids += new
-                if (seq.eos_token_id is not None
+                if (seq.eos_token_id is not None or seq.stop_token_ids
                         or len(seq.token_ids) >= seq.num_prompt_tokens + seq.max_tokens):
                     self._check_finished(seq, new)
             if (old + num) // bs != old // bs:        # a block filled up: cache it
@@ -291,11 +291,29 @@ class Scheduler:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         return finished
 
+    def finish(self, seq: Sequence, reason: str = "abort") -> None:
+        """End a request early, between steps, wherever it is (e.g. a stop string was produced
+        or the caller gave up); its blocks are freed."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            queue = self.waiting if seq.status is SequenceStatus.WAITING else self.swapped
+            queue.remove(seq)
+            heapq.heapify(queue)
+        if seq.seq_id in self.block_manager.tables:
+            self.block_manager.free(seq.seq_id)
+        seq.draft_token_ids = []
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+
     @staticmethod
     def _check_finished(seq: Sequence, new: Seq[int]) -> None:
         limit = seq.num_prompt_tokens + seq.max_tokens
-        if seq.eos_token_id is not None and seq.eos_token_id in new:
-            eos = len(seq.token_ids) - len(new) + list(new).index(seq.eos_token_id)
+        stop = next((i for i, t in enumerate(new) if seq.is_stop_token(t)), None)
+        if stop is not None:
+            eos = len(seq.token_ids) - len(new) + stop
             if eos < limit:
                 del seq.token_ids[eos + 1:]
                 seq.finish_reason = "stop"

@@ -20,6 +20,7 @@ class Sequence:
     ``num_computed_tokens`` counts the tokens whose K and V are in the cache; the scheduler asks
     the model for the rest, a chunk at a time. ``draft_token_ids`` are speculative tokens a
     proposer attached for the next step: they are verified in the same pass as the last token.
+    ``eos_token_id`` and ``stop_token_ids`` end the sequence when sampled (the token is kept).
     Sequences are ordered by ``(arrival, seq_id)``: smaller is older.
     """
     seq_id: int
@@ -27,13 +28,14 @@ class Sequence:
     max_tokens: int
     arrival: int = 0
     eos_token_id: Optional[int] = None
+    stop_token_ids: frozenset = frozenset()  # more tokens that end the sequence, like eos
     num_prompt_tokens: int = -1
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0               # served by the prefix cache, summed over admissions
     num_preemptions: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
-    finish_reason: Optional[str] = None      # "length" or "stop"
+    finish_reason: Optional[str] = None      # "length", "stop" or "abort"
 
     def __post_init__(self):
         if self.num_prompt_tokens < 0:
@@ -49,6 +51,9 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def is_stop_token(self, token: int) -> bool:
+        return token == self.eos_token_id or token in self.stop_token_ids
 
     @property
     def is_decoding(self) -> bool:

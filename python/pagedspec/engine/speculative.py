@@ -3,14 +3,13 @@
 The whole loop, from prompts to outputs::
 
     import torch
-    from pagedspec.engine import (BlockManager, KVCache, ModelConfig, ModelRunner,
-                                  NgramProposer, Scheduler, SchedulerConfig,
-                                  SpeculativeDecoder, TinyLlama)
+    from pagedspec.engine import (BlockManager, KVCache, ModelRunner, NgramProposer, Scheduler,
+                                  SchedulerConfig, SpeculativeDecoder)
+    from pagedspec.models import load_checkpoint
 
-    config = ModelConfig()                                   # tiny random Llama, float32
-    model = TinyLlama(config, seed=0)
-    kv = KVCache(config.num_layers, num_blocks=64, block_size=16,
-                 num_kv_heads=config.num_kv_heads, head_size=config.head_size,
+    model = load_checkpoint(checkpoint_dir).load_model(torch.float32)   # a local HF directory
+    kv = KVCache(model.num_layers, num_blocks=64, block_size=16,
+                 num_kv_heads=model.num_kv_heads, head_size=model.head_size,
                  dtype=torch.float32)
     sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
                       BlockManager(num_blocks=64, block_size=16))

@@ -1,0 +1,277 @@
+"""The Llama architecture family as ``transformers`` defines it: ``LlamaForCausalLM``,
+``Qwen2ForCausalLM`` (biased q/k/v projections) and ``MistralForCausalLM`` (without a sliding
+window shorter than the context).
+
+Pre-norm decoder: RMSNorm, rotary position embeddings (rotate-half form; default, ``linear`` and
+``llama3`` frequency scaling), grouped-query attention with any ratio of query to KV heads, a
+SwiGLU MLP, tied or untied embeddings. The arithmetic follows ``transformers`` step for step
+(norms in float32, rotations and residual sums in the model's dtype) so logits agree to the
+rounding of the matrix products. Projections that read the same input are fused at load time
+(q/k/v into one matrix, gate/up into another): one GEMM each instead of three or two.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+
+from pagedspec.engine.model import AttendFn
+
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+class ConfigError(ValueError):
+    """A ``config.json`` this implementation cannot run; the message names the key."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]       # None, or {"rope_type": "linear" | "llama3", ...}
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool               # q/k/v (and for Llama, o) projections carry a bias
+    o_proj_bias: bool
+    mlp_bias: bool
+    sliding_window: Optional[int]      # None: full attention
+    torch_dtype: Optional[str]
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping, source: str = "config.json") -> "LlamaConfig":
+        """Reads a ``transformers`` config dict (v4 or v5 spelling); ``source`` names it in errors."""
+
+        def need(key: str):
+            if key not in cfg or cfg[key] is None:
+                raise ConfigError(f"{source}: missing required key {key!r}")
+            return cfg[key]
+
+        model_type = need("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ConfigError(f"{source}: model_type {model_type!r} is not supported; expected "
+                              f"one of {', '.join(MODEL_TYPES)}")
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act {act!r} is not supported; expected 'silu' "
+                              "(SwiGLU)")
+        hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ConfigError(f"{source}: num_attention_heads ({heads}) must be a multiple of "
+                              f"num_key_value_heads ({kv_heads})")
+        head_size = cfg.get("head_dim") or hidden // heads
+        theta, scaling = _rope_parameters(cfg, source)
+        qwen2 = model_type == "qwen2"
+        window = cfg.get("sliding_window")
+        if qwen2 and not cfg.get("use_sliding_window", False):
+            window = None                    # Qwen2 keeps the key but ignores it by default
+        dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+        return cls(
+            model_type=model_type, vocab_size=int(need("vocab_size")), hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")), num_heads=heads, num_kv_heads=kv_heads,
+            head_size=int(head_size), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta, rope_scaling=scaling,
+            max_position=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=qwen2 or bool(cfg.get("attention_bias", False)),
+            o_proj_bias=(not qwen2) and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=int(window) if window is not None else None,
+            torch_dtype=str(dtype) if dtype is not None else None)
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor a checkpoint of this config holds, by its ``transformers`` name."""
+        H, I, D = self.hidden_size, self.intermediate_size, self.head_size
+        q, kv = self.num_heads * D, self.num_kv_heads * D
+        shapes = {"model.embed_tokens.weight": (self.vocab_size, H), "model.norm.weight": (H,)}
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, H)
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            shapes.update({
+                p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+                p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                p + "mlp.down_proj.weight": (H, I)})
+            if self.attention_bias:
+                shapes.update({p + "self_attn.q_proj.bias": (q,),
+                               p + "self_attn.k_proj.bias": (kv,),
+                               p + "self_attn.v_proj.bias": (kv,)})
+            if self.o_proj_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (H,)
+            if self.mlp_bias:
+                shapes.update({p + "mlp.gate_proj.bias": (I,), p + "mlp.up_proj.bias": (I,),
+                               p + "mlp.down_proj.bias": (H,)})
+        return shapes
+
+    @staticmethod
+    def optional_weights(name: str) -> bool:
+        """Tensors a checkpoint may carry that the model does not need: rotary buffers saved by
+        old exports, and a copy of the embedding as ``lm_head`` in tied checkpoints. FP8 KV scales
+        (``self_attn.k_scale`` / ``v_scale``) are read by the loader, not the model."""
+        return (name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"
+                or name.endswith(("self_attn.k_scale", "self_attn.v_scale")))
+
+
+def _rope_parameters(cfg: Mapping, source: str) -> tuple[float, Optional[dict]]:
+    """``(theta, scaling)`` from ``rope_parameters`` (transformers 5) or ``rope_theta`` +
+    ``rope_scaling`` (earlier); scaling is None for the plain rotation."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, Mapping) and "rope_theta" not in params and params:
+        # Per-layer-type parameters ({"full_attention": {...}}): one kind of layer here.
+        params = next(iter(params.values()))
+    if isinstance(params, Mapping):
+        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = dict(params)
+    else:
+        theta = cfg.get("rope_theta", 10000.0)
+        scaling = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else None
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind == "default":
+            scaling = None
+        elif kind == "linear":
+            scaling = {"rope_type": "linear", "factor": float(scaling["factor"])}
+        elif kind == "llama3":
+            try:
+                scaling = {"rope_type": "llama3", "factor": float(scaling["factor"]),
+                           "low_freq_factor": float(scaling["low_freq_factor"]),
+                           "high_freq_factor": float(scaling["high_freq_factor"]),
+                           "original_max_position_embeddings":
+                               int(scaling["original_max_position_embeddings"])}
+            except KeyError as exc:
+                raise ConfigError(f"{source}: llama3 RoPE scaling is missing {exc}") from None
+        else:
+            raise ConfigError(f"{source}: RoPE scaling type {kind!r} is not supported; expected "
+                              "'default', 'linear' or 'llama3'")
+    return float(theta), scaling
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Float32 inverse frequencies ``[head_size / 2]``, scaled as the config asks (the formulas of
+    ``transformers``' ``modeling_rope_utils``)."""
+    D = config.head_size
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    if s["rope_type"] == "linear":
+        return inv_freq / s["factor"]
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between.
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old_len = s["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor           # [H]
+    qkv: torch.Tensor                  # [(Hq + 2 Hkv) D, H]: q, k, v projections stacked
+    qkv_bias: Optional[torch.Tensor]   # [(Hq + 2 Hkv) D]
+    o: torch.Tensor                    # [H, Hq D]
+    o_bias: Optional[torch.Tensor]     # [H]
+    post_norm: torch.Tensor            # [H]
+    gate_up: torch.Tensor              # [2 I, H]: gate, then up
+    gate_up_bias: Optional[torch.Tensor]
+    down: torch.Tensor                 # [H, I]
+    down_bias: Optional[torch.Tensor]
+
+
+class LlamaForCausalLM:
+    """A Llama-family decoder over weights loaded by name (see :meth:`LlamaConfig.weight_shapes`).
+
+    Implements :class:`pagedspec.engine.model.CausalLM`. ``get_weight(name)`` returns a checkpoint
+    tensor (any dtype, on any device); it is converted to ``dtype`` on ``device``.
+    """
+
+    def __init__(self, config: LlamaConfig, get_weight: Callable[[str], torch.Tensor],
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        c = self.config = config
+        self.device, self.dtype = torch.device(device), dtype
+        self.num_layers, self.num_heads = c.num_layers, c.num_heads
+        self.num_kv_heads, self.head_size = c.num_kv_heads, c.head_size
+        self.vocab_size, self.max_position = c.vocab_size, c.max_position
+        self.scale = c.head_size ** -0.5
+
+        def w(name: str) -> torch.Tensor:
+            return get_weight(name).to(self.device, dtype)
+
+        def cat(*names: str) -> torch.Tensor:
+            return torch.cat([w(n) for n in names]).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.layers: list[_Layer] = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            self.layers.append(_Layer(
+                input_norm=w(p + "input_layernorm.weight"),
+                qkv=cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                qkv_bias=(cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+                          if c.attention_bias else None),
+                o=w(a + "o_proj.weight"), o_bias=w(a + "o_proj.bias") if c.o_proj_bias else None,
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=cat(m + "gate_proj.weight", m + "up_proj.weight"),
+                gate_up_bias=cat(m + "gate_proj.bias", m + "up_proj.bias") if c.mlp_bias else None,
+                down=w(m + "down_proj.weight"),
+                down_bias=w(m + "down_proj.bias") if c.mlp_bias else None))
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if c.tie_word_embeddings else w("lm_head.weight")
+        # cos/sin for every position, computed as transformers does (float32, then cast), so a
+        # lookup replaces the per-step trigonometry.
+        angles = (torch.arange(c.max_position, dtype=torch.float32)[:, None]
+                  * rope_inv_freq(c)[None, :])
+        emb = torch.cat((angles, angles), dim=-1)
+        self._cos = emb.cos().to(self.device, dtype)           # [max_position, D]
+        self._sin = emb.sin().to(self.device, dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * x32.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE of ``x`` ``[T, heads, D]``; cos/sin ``[T, 1, D]``."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attend: AttendFn) -> torch.Tensor:
+        T, Hq, Hkv, D = input_ids.numel(), self.num_heads, self.num_kv_heads, self.head_size
+        cos, sin = self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+        h = self.embed[input_ids]
+        for i, w in enumerate(self.layers):
+            x = self._rms_norm(h, w.input_norm)
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            qk = self._rope(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin)
+            v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+            out = attend(i, qk[:, :Hq], qk[:, Hq:], v)
+            h = h + F.linear(out.reshape(T, Hq * D), w.o, w.o_bias)
+            x = self._rms_norm(h, w.post_norm)
+            gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        return self._rms_norm(h, self.norm)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
