@@ -96,6 +96,7 @@ class Scheduler:
         self.swapped: list[Sequence] = []               # heap, oldest first
         self._ids = itertools.count()
         self._arrivals = itertools.count()
+        self.num_preemptions = 0                        # over the scheduler's lifetime
 
     # ---- requests -----------------------------------------------------------------------------
     def add(self, prompt_token_ids: Seq[int], max_tokens: int,
@@ -204,6 +205,7 @@ class Scheduler:
         cfg = self.config
         seq.draft_token_ids = []
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         swap = cfg.preemption_mode == "swap" or (
             cfg.preemption_mode == "auto" and seq.num_computed_tokens >= cfg.swap_min_tokens)
         if swap and self.block_manager.swap_out(seq.seq_id):
