@@ -355,3 +355,19 @@ def test_sliding_window_is_refused_unless_it_covers_the_context(tmp_path):
         LLM(path, device="cpu")
     llm = LLM(path, device="cpu", max_model_len=64)   # the window covers every position
     assert len(llm.generate("def", SamplingParams(max_tokens=4))[0].outputs[0].token_ids) <= 4
+
+
+@pytest.mark.cuda
+def test_cuda_generation_matches_cpu_where_logits_are_clear(dirs):
+    """The same bf16 model on both devices: greedy tokens agree while the top two logits are
+    further apart than bf16's rounding (random-weight models have no near-ties early on)."""
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    cpu = LLM(dirs["llama"], dtype="bfloat16", device="cpu", max_model_len=128)
+    gpu = LLM(dirs["llama"], dtype="bfloat16", device="cuda", max_model_len=128)
+    a, b = cpu.generate(PROMPTS, params), gpu.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids[:3] for o in a] == [o.outputs[0].token_ids[:3] for o in b]
+    with pytest.raises(ValueError, match="float32 is not supported on CUDA"):
+        LLM(dirs["llama"], dtype="float32", device="cuda")
+    sampled = gpu.generate(PROMPTS[:2], SamplingParams(temperature=1.0, seed=3, max_tokens=8,
+                                                       n=2, logprobs=2, ignore_eos=True))
+    assert all(len(c.token_ids) == 8 for o in sampled for c in o.outputs)
