@@ -1,4 +1,5 @@
-"""``python -m pagedspec.bench``: run the kernel benchmarks (see pagedspec.bench.runner)."""
+"""``python -m pagedspec.bench``: run the kernel benchmarks, then the end-to-end section (see
+pagedspec.bench.runner)."""
 import sys
 
 from pagedspec.bench.runner import main

@@ -3,7 +3,9 @@
 For every registered case it measures the kernel's median time, the bytes it must move, the
 achieved bandwidth and its ratio to a device-to-device copy measured in the same run, and the
 speedup over the pure-PyTorch reference; it prints a table and writes results.json,
-results.md and results.png into the output folder.
+results.md and results.png into the output folder. Then the end-to-end section
+(:mod:`pagedspec.bench.e2e`, ``--op e2e`` alone, ``--no-e2e`` skips it) adds an "e2e" list to
+results.json, an "End to end" table to results.md, and e2e.png.
 """
 from __future__ import annotations
 
@@ -127,6 +129,15 @@ def plot(rows: list[dict], path: Path, title: str) -> Optional[Path]:
     return path
 
 
+def resolve_device(choice: str) -> torch.device:
+    """``"auto"`` (CUDA when pagedspec can use it), ``"cpu"`` or ``"cuda"`` (the current GPU)."""
+    if choice == "auto":
+        choice = "cuda" if pagedspec.build_info()["cuda_available"] else "cpu"
+    if choice == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(choice)
+
+
 def default_out_dir(device: torch.device) -> Path:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     base = Path("bench/results") if Path("bench").is_dir() else Path("pagedspec-bench-results")
@@ -134,10 +145,14 @@ def default_out_dir(device: torch.device) -> Path:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from pagedspec.bench import e2e   # imports this module: not at the top
+
     parser = argparse.ArgumentParser(prog="pagedspec-bench", description=__doc__.splitlines()[0])
     parser.add_argument("--op", action="append", default=[],
-                        help="only these op families (repeatable, or comma-separated)")
-    parser.add_argument("--quick", action="store_true", help="only the cases marked quick")
+                        help="only these op families (repeatable, or comma-separated; "
+                             f"{e2e.OP!r} is the end-to-end section)")
+    parser.add_argument("--quick", action="store_true",
+                        help="only the cases marked quick, and a tiny end-to-end model")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--out", type=Path, default=None, help="output folder")
     parser.add_argument("--no-reference", action="store_true",
@@ -145,23 +160,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--budget", type=float, default=1.0,
                         help="seconds of timing per kernel and per reference (default 1)")
     parser.add_argument("--list", action="store_true", help="list the selected cases and exit")
+    parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end section")
+    e2e.add_arguments(parser)
     args = parser.parse_args(argv)
 
-    if args.device == "auto":
-        device = torch.device("cuda" if pagedspec.build_info()["cuda_available"] else "cpu")
-    else:
-        device = torch.device(args.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(args.device)
     families = {f for spec in args.op for f in spec.split(",") if f}
     cases = [c for c in load_cases()
              if (not families or c.op in families) and (not args.quick or c.quick)
              and device.type in c.devices]
+    with_e2e = not args.no_e2e and (not families or e2e.OP in families)
     if args.list:
         for c in cases:
             print(f"{c.op:12s} {c.name}")
+        for w in e2e.workloads(args.quick) if with_e2e else []:
+            print(f"{e2e.OP:12s} {w.name}: {w.description}")
         return 0
-    if not cases:
+    if not cases and not with_e2e:
         print("no benchmark case matches the filters")
         return 1
 
@@ -172,24 +187,36 @@ def main(argv: Optional[list[str]] = None) -> int:
             return items
 
     info = device_info(device)
-    copy_bw = core.measure_copy_bandwidth(device)
-    print(f"{info.get('name')}: copy bandwidth {copy_bw / 1e9:.1f} GB/s "
-          f"(read + write of a {'1 GiB' if device.type == 'cuda' else '256 MiB'} copy)")
-    rows = []
-    progress = tqdm(cases, desc="benchmarks", unit="case")
-    for case in progress:
-        if hasattr(progress, "set_postfix_str"):
-            progress.set_postfix_str(case.name[:60])
-        rows.append(run_case(case, device, copy_bw, not args.no_reference, args.budget))
+    if with_e2e:
+        info.update(e2e.cpu_isa())
+    rows, copy_bw, tables, written = [], None, [], ["results.json", "results.md"]
+    if cases:
+        copy_bw = core.measure_copy_bandwidth(device)
+        print(f"{info.get('name')}: copy bandwidth {copy_bw / 1e9:.1f} GB/s "
+              f"(read + write of a {'1 GiB' if device.type == 'cuda' else '256 MiB'} copy)")
+        progress = tqdm(cases, desc="benchmarks", unit="case")
+        for case in progress:
+            if hasattr(progress, "set_postfix_str"):
+                progress.set_postfix_str(case.name[:60])
+            rows.append(run_case(case, device, copy_bw, not args.no_reference, args.budget))
+        tables.append(markdown_table(rows, copy_bw, info))
+    report = (e2e.run(device, model=args.model, quick=args.quick, vllm=args.vllm_results)
+              if with_e2e else None)
 
     out_dir = args.out or default_out_dir(device)
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = markdown_table(rows, copy_bw, info)
+    if rows and plot(rows, out_dir / "results.png", f"pagedspec on {info.get('name')}"):
+        written.append("results.png")
+    if report is not None:
+        tables.append(e2e.markdown_table(report))
+        if e2e.plot(report, out_dir / "e2e.png", f"pagedspec end to end on {info.get('name')}"):
+            written.append("e2e.png")
+    table = "\n\n".join(tables)
     (out_dir / "results.md").write_text(table + "\n")
     (out_dir / "results.json").write_text(json.dumps(
-        {"device": info, "copy_bandwidth_bytes_per_s": copy_bw, "results": rows}, indent=2))
-    png = plot(rows, out_dir / "results.png", f"pagedspec on {info.get('name')}")
+        {"device": info, "copy_bandwidth_bytes_per_s": copy_bw, "results": rows,
+         **(report.json_fields() if report is not None else {})}, indent=2))
     print()
     print(table)
-    print(f"\nwrote {out_dir}/results.json, results.md" + (", results.png" if png else ""))
+    print(f"\nwrote {out_dir}/" + ", ".join(written))
     return 0
