@@ -27,10 +27,13 @@ from typing import Iterator, Optional, Sequence as Seq, Union
 import torch
 
 from pagedspec.engine.blocks import BlockManager, KVCache
+from pagedspec.engine.controller import SpecStats, SpeculationController
 from pagedspec.engine.runner import ModelRunner
 from pagedspec.engine.sampler import SamplingRow, sample, top_logprobs
 from pagedspec.engine.scheduler import Scheduler, SchedulerConfig, StepBatch
 from pagedspec.engine.sequence import Sequence, SequenceStatus
+from pagedspec.engine.speculative import (DraftModelProposer, DraftRequest, NgramProposer,
+                                          Verification, verify_drafts)
 from pagedspec.models.loader import Checkpoint, load_checkpoint
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -211,7 +214,6 @@ class _Completion:
     generator: torch.Generator
     detok: Optional[IncrementalDetokenizer]
     logprobs: Optional[list[dict[int, Logprob]]] = None
-    cumulative_logprob: float = 0.0
     stop_reason: Union[int, str, None] = None
     finish_reason: Optional[str] = None
     num_detokenized: int = 0                 # output tokens fed to ``detok`` so far
@@ -231,6 +233,20 @@ class _Request:
     def finished(self) -> bool:
         return (len(self.completions) == self.params.n
                 and all(c.finish_reason is not None for c in self.completions))
+
+
+@dataclass(eq=False)
+class _Speculation:
+    """The speculative half of an LLM: one drafter, the controller and the metrics."""
+    controller: SpeculationController
+    ngram: Optional[NgramProposer] = None
+    draft: Optional[DraftModelProposer] = None
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def forget(self, seq_id: int) -> None:
+        for part in (self.ngram, self.draft, self.controller):
+            if part is not None:
+                part.forget(seq_id)
 
 
 def _mix_seed(*parts: int) -> int:
@@ -271,6 +287,14 @@ class LLM:
             derived from ``(seed, i)``), so whole runs are reproducible.
         skip_tokenizer_init: run without ``tokenizer.json`` (prompts must be token ids; outputs
             then have empty text).
+        speculative_model: a draft checkpoint sharing the target's tokenizer (or a shipped
+            model's name), ``"ngram"`` for prompt lookup, or None (no speculation).
+        num_speculative_tokens: the most draft tokens per sequence and step (1..16).
+        speculative_adaptive: let the controller choose each step's k in 0..max from measured
+            costs and acceptance (:mod:`pagedspec.engine.controller`); False drafts the maximum
+            every step. With adaptive k, a seeded sampled request's tokens can depend on the
+            batch (its k does; its distribution never does).
+        prompt_lookup_max, prompt_lookup_min: n-gram sizes for ``"ngram"``.
     """
 
     def __init__(self, model: Union[str, os.PathLike], *, dtype: Union[str, torch.dtype] = "auto",
@@ -280,7 +304,10 @@ class LLM:
                  max_num_batched_tokens: Optional[int] = None,
                  max_model_len: Optional[int] = None, enable_prefix_caching: bool = True,
                  swap_space: float = 0.0, preemption_mode: str = "auto", seed: int = 0,
-                 skip_tokenizer_init: bool = False):
+                 skip_tokenizer_init: bool = False,
+                 speculative_model: Union[str, os.PathLike, None] = None,
+                 num_speculative_tokens: int = 4, speculative_adaptive: bool = True,
+                 prompt_lookup_max: int = 3, prompt_lookup_min: int = 1):
         self.checkpoint: Checkpoint = load_checkpoint(model)
         cfg = self.checkpoint.config
         self.device = self._device(device)
@@ -302,10 +329,13 @@ class LLM:
             raise ValueError(f"LLM: max_num_seqs must be an int >= 1, got {max_num_seqs}")
         self.max_model_len = max_model_len
         self.tokenizer = None if skip_tokenizer_init else self.checkpoint.load_tokenizer()
+        draft_ckpt = self._draft_checkpoint(speculative_model, num_speculative_tokens)
         self.model = self.checkpoint.load_model(self.dtype, self.device)
 
-        bytes_per_block = KVCache.bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads,
-                                                  cfg.head_size, cache_dtype)
+        bytes_per_block = sum(
+            KVCache.bytes_per_block(c.num_layers, block_size, c.num_kv_heads, c.head_size,
+                                    cache_dtype)
+            for c in [cfg] + ([draft_ckpt.config] if draft_ckpt is not None else []))
         if num_kv_blocks is None:
             if kv_cache_memory is None:
                 wanted = max_num_seqs * -(-max_model_len // block_size)
@@ -327,12 +357,56 @@ class LLM:
                                                    preemption_mode=preemption_mode),
                                    self.block_manager)
         self.runner = ModelRunner(self.model, self.kv_cache, calibrate_fp8=calibrate)
+        self.speculation: Optional[_Speculation] = None
+        if speculative_model is not None:
+            controller = SpeculationController(num_speculative_tokens, speculative_adaptive)
+            if draft_ckpt is None:
+                self.speculation = _Speculation(controller, ngram=NgramProposer(
+                    prompt_lookup_max, prompt_lookup_min))
+            else:
+                dc = draft_ckpt.config
+                self.draft_model = draft_ckpt.load_model(self.dtype, self.device)
+                draft_cache = KVCache(dc.num_layers, num_kv_blocks, block_size, dc.num_kv_heads,
+                                      dc.head_size, cache_dtype, self.device, num_cpu_blocks)
+                scales = draft_ckpt.kv_scales() if draft_cache.is_fp8 else None
+                if scales is not None:
+                    draft_cache.set_scales(*scales)
+                self.speculation = _Speculation(controller, draft=DraftModelProposer(
+                    self.draft_model, draft_cache, calibrate_fp8=draft_cache.is_fp8
+                    and scales is None))
         self.seed = seed
         self.eos_token_ids = self.checkpoint.generation.eos_token_ids
         self._request_ids = itertools.count()
         self._by_seq: dict[int, tuple[_Request, _Completion]] = {}
 
     # ---- construction helpers ---------------------------------------------------------------
+    def _draft_checkpoint(self, speculative_model, k: int) -> Optional[Checkpoint]:
+        """The draft checkpoint (None for n-gram drafting or none), its vocabulary checked."""
+        if speculative_model is None:
+            return None
+        if not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(f"LLM: num_speculative_tokens must be an int in [1, 16], got {k!r}")
+        if speculative_model == "ngram":
+            return None
+        draft = load_checkpoint(speculative_model)
+        target_vocab, draft_vocab = self.checkpoint.config.vocab_size, draft.config.vocab_size
+        if draft_vocab != target_vocab:
+            raise ValueError(f"LLM: the speculative model {draft.path} has a vocabulary of "
+                             f"{draft_vocab} tokens, the target {target_vocab}; a draft must "
+                             "share the target's tokenizer")
+        if self.tokenizer is not None and draft.tokenizer_path is not None:
+            if draft.load_tokenizer().get_vocab() != self.tokenizer.get_vocab():
+                raise ValueError(f"LLM: the tokenizer of the speculative model {draft.path} "
+                                 f"differs from the target's ({self.checkpoint.path}); a draft "
+                                 "must share the target's tokenizer")
+        return draft
+
+    def speculative_metrics(self) -> Optional[dict]:
+        """vLLM's speculative-decoding metrics over this LLM's life (None without
+        speculation): drafts, draft tokens, accepted tokens (in all and per position),
+        acceptance rate, mean acceptance length, draft and target seconds per step."""
+        return self.speculation.stats.as_dict() if self.speculation is not None else None
+
     @staticmethod
     def _device(device) -> torch.device:
         if device is None:
@@ -472,47 +546,136 @@ class LLM:
         self._completion(request, 0, seq)
 
     # ---- the step loop ------------------------------------------------------------------------
+    def _plan_drafts(self) -> int:
+        """Before scheduling: the step's k from the controller, and each decoding sequence's
+        drafts (n-gram proposals, or placeholders the draft model fills in after scheduling,
+        once the scheduler has given the draft positions their slots)."""
+        running = self.scheduler.running
+        for seq in running:
+            seq.draft_token_ids = []
+        spec = self.speculation
+        if spec is None:
+            return 0
+        decoding = [s for s in running if s.is_decoding]
+        room = [s.num_prompt_tokens + s.max_tokens - len(s.token_ids) - 1 for s in decoding]
+        prefill = sum(len(s.token_ids) - s.num_computed_tokens for s in running
+                      if not s.is_decoding)
+        other = min(prefill, self.scheduler.config.max_num_batched_tokens - len(decoding))
+        k = spec.controller.choose([s.seq_id for s in decoding], room, max(other, 0))
+        if k:
+            start = time.perf_counter()
+            for seq, r in zip(decoding, room):
+                kr = min(k, r)
+                if kr > 0:
+                    seq.draft_token_ids = (spec.ngram.propose(seq.seq_id, seq.token_ids, kr)
+                                           if spec.ngram is not None else [0] * kr)
+            if spec.ngram is not None:              # the model drafter is timed when it runs
+                seconds = time.perf_counter() - start
+                spec.controller.observe_draft(len(decoding), 1, seconds)
+                spec.stats.draft_seconds += seconds
+        return k
+
+    def _draft(self, batch: StepBatch) -> list[Optional[torch.Tensor]]:
+        """Runs the draft model for the batch's drafting sequences and writes its tokens into the
+        batch; returns each sequence's draft distributions (None where none)."""
+        spec = self.speculation
+        draft_probs: list[Optional[torch.Tensor]] = [None] * len(batch.seqs)
+        requests = []
+        for i, seq in enumerate(batch.seqs):
+            k = batch.num_draft_tokens[i]
+            if k:
+                request, c = self._by_seq[seq.seq_id]
+                requests.append(DraftRequest(i, seq.seq_id, seq.token_ids,
+                                             seq.num_computed_tokens, k, request.row,
+                                             c.generator))
+        if not requests:
+            return draft_probs
+        start = time.perf_counter()
+        drafts, probs = spec.draft.propose(batch, requests)
+        cu = batch.cu_seqlens_q.tolist()
+        ids = batch.input_ids
+        for r, tokens, p in zip(requests, drafts, probs):
+            first = cu[r.batch_index] + 1          # the drafts follow the last verified token
+            ids[first:first + r.k] = torch.tensor(tokens, dtype=ids.dtype, device=ids.device)
+            batch.seqs[r.batch_index].draft_token_ids = tokens
+            draft_probs[r.batch_index] = p
+        seconds = self._synchronized(start)
+        spec.controller.observe_draft(len(requests), max(r.k for r in requests), seconds)
+        spec.stats.draft_seconds += seconds
+        return draft_probs
+
+    def _synchronized(self, start: float) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
     def _step(self) -> list[_Request]:
         """One scheduler step; returns the requests it finished."""
+        spec = self.speculation
+        self._plan_drafts()
         batch = self.scheduler.schedule()
+        draft_probs: list[Optional[torch.Tensor]] = [None] * len(batch.seqs)
+        if spec is not None and spec.draft is not None:
+            spec.draft.apply_moves(batch.block_ops)   # both caches make the same block moves
+            draft_probs = self._draft(batch)
+        start = time.perf_counter()
         logits = self.runner.execute(batch)
-        rows = [i for i, s in enumerate(batch.seqs)
-                if s.num_computed_tokens + batch.num_scheduled_tokens[i] >= len(s.token_ids)]
-        assert logits.shape[0] == len(rows), "one logits row per sequence that samples"
-        owners = [self._by_seq[batch.seqs[i].seq_id] for i in rows]
+        target_seconds = self._synchronized(start)
+        if spec is not None:
+            spec.controller.observe_target(batch.num_tokens, target_seconds)
+            spec.stats.target_seconds += target_seconds
+            spec.stats.num_steps += 1
+
+        # Logits rows per sequence: none (prefill chunk short of the prompt's end), or 1 + k.
+        plain: list[tuple[Sequence, int]] = []          # (sequence, its logits row)
+        verify: list[tuple[int, Sequence, int]] = []    # (batch index, sequence, first row)
+        row = 0
+        for i, seq in enumerate(batch.seqs):
+            if seq.num_computed_tokens + batch.num_scheduled_tokens[i] < len(seq.token_ids):
+                continue
+            k = batch.num_draft_tokens[i]
+            (verify.append((i, seq, row)) if k else plain.append((seq, row)))
+            row += 1 + k
+        assert row == logits.shape[0], "logits rows != 1 + drafts per sampling sequence"
+
         # Requests with n > 1 fork after their prompt: the children sample from the same row.
-        row_of, row_seq = list(range(len(rows))), [batch.seqs[i] for i in rows]
-        seqs, scheduled, drafts = list(batch.seqs), list(batch.num_scheduled_tokens), \
-            list(batch.num_draft_tokens)
-        for r, (request, c) in enumerate(owners):
-            if c.index == 0 and request.params.n > 1 and not c.seq.output_token_ids:
-                i = rows[r]
+        seqs, scheduled, drafts = (list(batch.seqs), list(batch.num_scheduled_tokens),
+                                   list(batch.num_draft_tokens))
+        for seq, r in list(plain):
+            request, c = self._by_seq[seq.seq_id]
+            if c.index == 0 and request.params.n > 1 and not seq.output_token_ids:
+                i = batch.seqs.index(seq)
                 for index in range(1, request.params.n):
-                    child = self.scheduler.fork(c.seq)
+                    child = self.scheduler.fork(seq)
                     self._completion(request, index, child)
-                    row_of.append(r)
-                    row_seq.append(child)
+                    plain.append((child, r))
                     seqs.append(child)
                     scheduled.append(batch.num_scheduled_tokens[i])
                     drafts.append(0)
-        completions = [self._by_seq[s.seq_id][1] for s in row_seq]
-        requests = [self._by_seq[s.seq_id][0] for s in row_seq]
-        row_index = torch.tensor(row_of, device=logits.device)
-        row_logits = logits[row_index] if len(row_of) != len(rows) else logits
-        tokens = sample(row_logits, [q.row for q in requests], [c.generator for c in completions])
-        want = [q.params.logprobs for q in requests]
-        lp_rows = [j for j, w in enumerate(want) if w is not None]
-        if lp_rows:
-            lp = top_logprobs(row_logits[torch.tensor(lp_rows, device=logits.device)],
-                              [tokens[j] for j in lp_rows], [want[j] for j in lp_rows])
-            for j, (chosen_lp, rank, pairs) in zip(lp_rows, lp):
-                c = completions[j]
-                entry = {t: Logprob(v, n + 1, self._piece(t)) for n, (t, v) in enumerate(pairs)}
-                entry.setdefault(tokens[j], Logprob(chosen_lp, rank, self._piece(tokens[j])))
-                c.logprobs.append(entry)
-                c.cumulative_logprob += chosen_lp
-        new_by_seq = {s.seq_id: [t] for s, t in zip(row_seq, tokens)}
-        sampled = [new_by_seq.get(s.seq_id, []) for s in seqs]
+
+        new_tokens: dict[int, list[int]] = {}
+        token_rows: dict[int, list[int]] = {}           # logits row of each new token
+        if plain:
+            owners = [self._by_seq[s.seq_id] for s, _ in plain]
+            rows = torch.tensor([r for _, r in plain], device=logits.device)
+            tokens = sample(logits[rows], [q.row for q, _ in owners],
+                            [c.generator for _, c in owners])
+            for (s, r), t in zip(plain, tokens):
+                new_tokens[s.seq_id], token_rows[s.seq_id] = [t], [r]
+        if verify:
+            items = []
+            for i, seq, first in verify:
+                request, c = self._by_seq[seq.seq_id]
+                k = batch.num_draft_tokens[i]
+                items.append(Verification(logits[first:first + k + 1], seq.draft_token_ids[:k],
+                                          draft_probs[i], request.row, c.generator))
+            for (i, seq, first), item, out in zip(verify, items, verify_drafts(items)):
+                new_tokens[seq.seq_id] = out
+                token_rows[seq.seq_id] = list(range(first, first + len(out)))
+                self._record_acceptance(seq, len(item.drafts), len(out) - 1)
+        self._record_logprobs(logits, new_tokens, token_rows)
+
+        sampled = [new_tokens.get(s.seq_id, []) for s in seqs]
         step = StepBatch(seqs, scheduled, drafts, batch.input_ids, batch.positions,
                          batch.slot_mapping, batch.block_tables, batch.seq_lens,
                          batch.cu_seqlens_q, batch.max_q_len, batch.logits_indices,
@@ -520,7 +683,10 @@ class LLM:
         self.scheduler.update(step, sampled)
         now = time.monotonic()
         done = []
-        for request, c in zip(requests, completions):
+        for seq in seqs:
+            if seq.seq_id not in new_tokens:
+                continue
+            request, c = self._by_seq[seq.seq_id]
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             self._after_token(c)
@@ -528,6 +694,41 @@ class LLM:
                 request.metrics.finished_time = now
                 done.append(request)
         return done
+
+    def _record_acceptance(self, seq: Sequence, k: int, accepted: int) -> None:
+        spec = self.speculation
+        st = spec.stats
+        st.num_drafts += 1
+        st.num_draft_tokens += k
+        st.num_accepted_tokens += accepted
+        while len(st.drafted_per_position) < k:
+            st.drafted_per_position.append(0)
+            st.accepted_per_position.append(0)
+        for j in range(k):
+            st.drafted_per_position[j] += 1
+            st.accepted_per_position[j] += j < accepted
+        spec.controller.observe_acceptance(seq.seq_id, k, accepted)
+        if spec.draft is not None:
+            spec.draft.on_verified(seq.seq_id, len(seq.token_ids), k, accepted)
+
+    def _record_logprobs(self, logits: torch.Tensor, new_tokens: dict[int, list[int]],
+                         token_rows: dict[int, list[int]]) -> None:
+        wanted = [(sid, self._by_seq[sid]) for sid in new_tokens
+                  if self._by_seq[sid][0].params.logprobs is not None]
+        if not wanted:
+            return
+        rows, tokens, nums = [], [], []
+        for sid, (request, _) in wanted:
+            rows += token_rows[sid]
+            tokens += new_tokens[sid]
+            nums += [request.params.logprobs] * len(new_tokens[sid])
+        lp = iter(top_logprobs(logits[torch.tensor(rows, device=logits.device)], tokens, nums))
+        for sid, (_, c) in wanted:
+            for token in new_tokens[sid]:
+                chosen_lp, rank, pairs = next(lp)
+                entry = {t: Logprob(v, n + 1, self._piece(t)) for n, (t, v) in enumerate(pairs)}
+                entry.setdefault(token, Logprob(chosen_lp, rank, self._piece(token)))
+                c.logprobs.append(entry)
 
     def _piece(self, token: int) -> Optional[str]:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
@@ -560,14 +761,18 @@ class LLM:
             if c.stop_reason is None and seq.finish_reason == "stop" and out:
                 c.stop_reason = out[-1]
             del self._by_seq[seq.seq_id]
+            if self.speculation is not None:
+                self.speculation.forget(seq.seq_id)
 
     def _output(self, request: _Request) -> RequestOutput:
         outs = []
         for c in sorted(request.completions, key=lambda c: c.index):
             text = c.detok.text if c.detok is not None else ""
-            outs.append(CompletionOutput(c.index, text, list(c.seq.output_token_ids),
-                                         c.cumulative_logprob if c.logprobs is not None else None,
-                                         c.logprobs, c.finish_reason, c.stop_reason))
+            tokens = list(c.seq.output_token_ids)
+            cumulative = (sum(entry[t].logprob for entry, t in zip(c.logprobs, tokens))
+                          if c.logprobs is not None else None)
+            outs.append(CompletionOutput(c.index, text, tokens, cumulative, c.logprobs,
+                                         c.finish_reason, c.stop_reason))
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outs,
                              request.finished, request.metrics,
                              request.completions[0].seq.num_cached_tokens)

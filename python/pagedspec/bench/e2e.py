@@ -17,6 +17,8 @@ on, the default per-step token budget) but ``max_num_seqs=32`` and a KV cache si
 largest workload; transformers with its default attention and cache. Workloads:
 
   decode-b1    one 32-token prompt, 128 new tokens;
+  decode-b32-fixed  32 prompts of 32 tokens, 128 new tokens each (the shape of the vLLM-CPU
+               reference figures);
   decode-b32   32 requests, prompts of 16..256 and outputs of 64..192 tokens (uniform).
                pagedspec gives every request its own ``max_tokens``; transformers pads the batch
                on the left and generates the longest output for all, of which only each
@@ -111,10 +113,12 @@ def workloads(quick: bool = False) -> list[Workload]:
     return [
         Workload("decode-b1", f"1 x 32-token prompt, {b1_out} new", [32], [b1_out], seed=1,
                  vllm_key="batch1_tok_s"),
+        # The shape vLLM-CPU's reference figures were taken on: 32 x 128 greedy tokens.
+        Workload("decode-b32-fixed", f"32 x 32-token prompts, {b1_out} new each", [32] * 32,
+                 [b1_out] * 32, seed=4, vllm_key="batch32_tok_s"),
         Workload("decode-b32", f"32 requests, prompts {b32_prompt[0]}..{b32_prompt[1]}, outputs "
                  f"{b32_out[0]}..{b32_out[1]}", _uniform(rng, 32, *b32_prompt),
-                 _uniform(rng, 32, *b32_out), seed=2, vllm_key="batch32_tok_s",
-                 profile_new_tokens=profile_out),
+                 _uniform(rng, 32, *b32_out), seed=2, profile_new_tokens=profile_out),
         Workload("prefill", f"{pre_n} x {pre_len}-token prompts, {pre_out} new",
                  [pre_len] * pre_n, [pre_out] * pre_n, seed=3, prefill_heavy=True),
     ]

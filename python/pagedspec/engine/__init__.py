@@ -9,9 +9,12 @@ from pagedspec.engine.runner import ModelRunner
 from pagedspec.engine.sampler import SamplingRow
 from pagedspec.engine.scheduler import Scheduler, SchedulerConfig, StepBatch
 from pagedspec.engine.sequence import Sequence, SequenceStatus
-from pagedspec.engine.speculative import NgramProposer, SpeculativeDecoder
+from pagedspec.engine.controller import SpecStats, SpeculationController
+from pagedspec.engine.speculative import (DraftModelProposer, NgramProposer, Verification,
+                                          verify_drafts)
 
 __all__ = ["BlockManager", "BlockOps", "BlockTable", "Evictor", "KVCache", "hash_block",
            "AttendFn", "CausalLM", "ModelRunner", "SamplingRow",
            "Scheduler", "SchedulerConfig", "StepBatch", "Sequence", "SequenceStatus",
-           "NgramProposer", "SpeculativeDecoder"]
+           "SpecStats", "SpeculationController", "DraftModelProposer", "NgramProposer",
+           "Verification", "verify_drafts"]

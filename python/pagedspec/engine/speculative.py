@@ -1,149 +1,245 @@
-"""Speculative decoding over the scheduler and the model runner, with an n-gram draft.
+"""Speculative decoding: drafters that propose tokens, and the verification of a step's drafts.
 
-The whole loop, from prompts to outputs::
+A step with speculation (driven by :class:`pagedspec.LLM`): the controller picks how many tokens
+each decoding sequence drafts; the scheduler reserves slots for them beside prefill chunks and
+plain decodes; the drafter fills them in; one target pass computes every row, a sequence with k
+drafts being one causal query of k + 1 rows (its last token, then the drafts);
+:func:`verify_drafts` turns each such sequence's k + 1 logits rows into its accepted drafts plus
+one corrected or bonus token (:func:`pagedspec.ops.greedy_verify` for greedy requests,
+:func:`pagedspec.ops.rejection_sample` for sampled ones, with both distributions processed the
+same way); :meth:`Scheduler.update` rolls rejected slots back. The emitted tokens follow the
+target's distribution exactly (greedy: the same tokens as plain decoding).
 
-    import torch
-    from pagedspec.engine import (BlockManager, KVCache, ModelRunner, NgramProposer, Scheduler,
-                                  SchedulerConfig, SpeculativeDecoder)
-    from pagedspec.models import load_checkpoint
+Drafters:
 
-    model = load_checkpoint(checkpoint_dir).load_model(torch.float32)   # a local HF directory
-    kv = KVCache(model.num_layers, num_blocks=64, block_size=16,
-                 num_kv_heads=model.num_kv_heads, head_size=model.head_size,
-                 dtype=torch.float32)
-    sched = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
-                      BlockManager(num_blocks=64, block_size=16))
-    decoder = SpeculativeDecoder(sched, ModelRunner(model, kv), NgramProposer(k=4))
-    outputs = decoder.generate([[1, 2, 3, 1, 2, 3, 1, 2], [7, 8, 9]], max_tokens=16)
-    # outputs[i]: the generated token ids of prompt i (greedy: identical to plain decoding)
-    # decoder.runner.num_steps: target forward passes taken
-
-Each step: the proposer attaches up to ``k`` draft tokens to every decoding sequence; the
-scheduler builds one batch in which such a sequence is one causal query of ``k + 1`` rows (its
-last token, then the drafts), beside prefill chunks and plain decodes; the runner returns the
-target's logits at all ``k + 1`` rows; :func:`pagedspec.ops.greedy_verify` (temperature 0) or
-:func:`pagedspec.ops.rejection_sample` (temperature > 0; the n-gram draft is deterministic, so
-``draft_probs=None``) turns them into the accepted drafts plus one corrected or bonus token; and
-:meth:`Scheduler.update` appends those and rolls the rejected drafts' KV slots back. The emitted
-tokens follow the target's distribution exactly (greedy: the same tokens as plain decoding), while
-every accepted draft saves one target step.
+- :class:`NgramProposer`: prompt lookup. The continuation of the latest earlier occurrence of the
+  sequence's trailing n-gram. An index of every n-gram's latest position is kept per sequence and
+  updated as tokens arrive, so a proposal costs a few dictionary lookups however long the
+  sequence is. Deterministic: its draft distribution is one-hot (``draft_probs=None``).
+- :class:`DraftModelProposer`: a smaller model with the same vocabulary and its own paged KV
+  cache, indexed by the target's block tables (so block moves, rollback and eviction are the
+  same bookkeeping for both). It drafts all sequences of a step together: a first pass feeds each
+  sequence the tokens its cache lacks (normally the last step's corrected or bonus token; the
+  whole prompt the first time), then one pass of one token per further draft position.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence as Seq
 
 import torch
 
 from pagedspec import ops
+from pagedspec.engine.blocks import BlockOps, KVCache
+from pagedspec.engine.model import CausalLM
 from pagedspec.engine.runner import ModelRunner
-from pagedspec.engine.scheduler import Scheduler, StepBatch
-from pagedspec.engine.sequence import Sequence
+from pagedspec.engine.sampler import SamplingRow, processed_probs
+from pagedspec.engine.scheduler import StepBatch
+
+_NO_MOVES = torch.zeros((0, 2), dtype=torch.int64)
 
 
 class NgramProposer:
-    """Prompt-lookup drafting: find the last earlier occurrence of the sequence's trailing n-gram
-    (longest n first, ``max_n`` down to ``min_n``) and propose the ``k`` tokens that followed it.
+    """Prompt lookup: find the latest earlier occurrence of the trailing n-gram (longest n
+    first, ``max_n`` down to ``min_n``) and propose the ``k`` tokens that followed it.
 
     When the match is close to the end, the continuation runs into the proposal itself (the
     matched pattern keeps repeating), so there are always ``k`` drafts once any n-gram matches.
-    Deterministic: its draft distribution is one-hot.
     """
 
-    def __init__(self, k: int, max_n: int = 3, min_n: int = 1):
-        if k < 1 or not 1 <= min_n <= max_n:
-            raise ValueError(f"NgramProposer: need k >= 1 and 1 <= min_n <= max_n, got k={k}, "
-                             f"min_n={min_n}, max_n={max_n}")
-        self.k, self.max_n, self.min_n = k, max_n, min_n
+    def __init__(self, max_n: int = 3, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"NgramProposer: need 1 <= min_n <= max_n, got min_n={min_n}, "
+                             f"max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        # seq id -> (tokens indexed so far, {n-gram tuple: start of its latest occurrence that
+        # has a successor})
+        self._index: dict[int, tuple[int, dict[tuple, int]]] = {}
 
-    def propose(self, token_ids: Seq[int]) -> list[int]:
-        tokens = list(token_ids)
-        end = len(tokens)
-        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
-            tail = tokens[end - n:]
-            for start in range(end - n - 1, -1, -1):             # latest occurrence first
-                if tokens[start:start + n] == tail:
-                    for i in range(self.k):                      # copy what followed it
-                        tokens.append(tokens[start + n + i])
-                    return tokens[end:]
+    def propose(self, seq_id: int, token_ids: Seq[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens following ``token_ids`` (none when no n-gram recurs)."""
+        end = len(token_ids)
+        done, index = self._index.get(seq_id, (0, {}))
+        lo, hi = self.min_n, self.max_n
+        for p in range(max(done, 1), end):          # n-grams ending just before position p
+            for n in range(lo, min(hi, p) + 1):
+                index[tuple(token_ids[p - n:p])] = p - n
+        self._index[seq_id] = (end, index)
+        if k <= 0:
+            return []
+        for n in range(min(hi, end - 1), lo - 1, -1):
+            start = index.get(tuple(token_ids[end - n:end]))
+            if start is not None:
+                out: list[int] = []
+                for i in range(start + n, start + n + k):
+                    out.append(token_ids[i] if i < end else out[i - end])
+                return out
         return []
 
+    def forget(self, seq_id: int) -> None:
+        self._index.pop(seq_id, None)
 
-class SpeculativeDecoder:
-    """Drives ``scheduler`` and ``runner`` step by step; no proposer means plain decoding.
 
-    Args:
-        scheduler, runner: the scheduler and a runner over the matching KV cache.
-        proposer: drafts tokens for decoding sequences (e.g. :class:`NgramProposer`), or None.
-        temperature: 0 for greedy decoding, else sampling from ``softmax(logits / temperature)``.
-        generator: the ``torch.Generator`` sampling draws from (on the runner's device).
-    """
+@dataclass
+class DraftRequest:
+    """One sequence to draft for: its row in the step's batch, how many tokens, how to sample."""
+    batch_index: int
+    seq_id: int
+    token_ids: Seq[int]            # the sequence's verified tokens (the drafts follow them)
+    num_computed: int              # tokens the target has in its cache
+    k: int
+    row: SamplingRow
+    generator: torch.Generator
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner,
-                 proposer: Optional[NgramProposer] = None, temperature: float = 0.0,
-                 generator: Optional[torch.Generator] = None):
-        if temperature < 0:
-            raise ValueError(f"SpeculativeDecoder: temperature must be >= 0, got {temperature}")
-        self.scheduler, self.runner, self.proposer = scheduler, runner, proposer
-        self.temperature, self.generator = temperature, generator
-        self.num_drafted = 0           # draft tokens verified
-        self.num_accepted = 0          # of which accepted
 
-    def generate(self, prompts: Seq[Seq[int]], max_tokens: int,
-                 eos_token_id: Optional[int] = None) -> list[list[int]]:
-        """Run ``prompts`` to completion; their generated token ids, in prompt order."""
-        seqs = [self.scheduler.add(p, max_tokens, eos_token_id) for p in prompts]
-        while self.scheduler.has_unfinished():
-            self.step()
-        return [s.output_token_ids for s in seqs]
+def draft_distribution(logits: torch.Tensor, rows: Seq[SamplingRow]) -> torch.Tensor:
+    """The distribution a sampled draft is drawn from and reported to rejection sampling: the
+    draft's logits processed exactly as the target's are (temperature, top-k, top-p, min-p).
+    Exactness needs the reported probabilities to be the ones drawn from, whatever they are;
+    processing them like the target's makes the two distributions, and so acceptance, close."""
+    return processed_probs(logits, rows)
 
-    def step(self) -> list[Sequence]:
-        """One scheduler step: draft, run the target, verify, update. Returns finished ones."""
-        if self.proposer is not None:
-            for seq in self.scheduler.running:
-                if seq.is_decoding:    # the scheduler trims drafts to the length limit
-                    seq.draft_token_ids = self.proposer.propose(seq.token_ids)
-        batch = self.scheduler.schedule()
-        logits = self.runner.execute(batch)
-        return self.scheduler.update(batch, self.verify(batch, logits))
 
-    def verify(self, batch: StepBatch, logits: torch.Tensor) -> list[list[int]]:
-        """New tokens per sequence of ``batch`` from the target's ``logits`` at its
-        ``logits_indices``: none for a partial prefill, else accepted drafts + one more."""
-        # A sequence has 0 logits rows (prefill chunk short of the prompt's end) or 1 + k_i.
-        has_rows = [i for i in range(len(batch.seqs)) if self._has_logits(batch, i)]
-        sampled: list[list[int]] = [[] for _ in batch.seqs]
-        if not has_rows:
-            return sampled
-        dev = logits.device
-        ks = [batch.num_draft_tokens[i] for i in has_rows]
-        k = max(ks)
-        assert logits.shape[0] == sum(ks) + len(ks), "logits rows != 1 + drafts per sequence"
-        # Drafts padded to k with token 0; the ops never read past num_draft_tokens.
-        drafts = torch.tensor([batch.seqs[i].draft_token_ids[:k_i] + [0] * (k - k_i)
-                               for i, k_i in zip(has_rows, ks)], dtype=torch.int64)
-        drafts = drafts.view(len(ks), k)
-        num_drafts = torch.tensor(ks, dtype=torch.int32)
-        # Row j of request b is logits row first_b + min(j, k_b): padding repeats the last row.
-        first = torch.cumsum(num_drafts + 1, 0) - (num_drafts + 1)
-        rows = first[:, None] + torch.minimum(torch.arange(k + 1), num_drafts[:, None])
-        target = logits[rows.to(dev)]                                     # [B', k + 1, V]
-        drafts, num_drafts = drafts.to(dev), num_drafts.to(dev)
-        if self.temperature == 0:
-            out, accepted = ops.greedy_verify(drafts, target.argmax(-1), num_drafts)
+class DraftModelProposer:
+    """Drafts with ``model`` over ``kv_cache``, which has the target cache's block count and
+    block size (the block tables are shared). Call :meth:`apply_moves` with every step's block
+    moves, drafting or not, so both caches stay in step."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, calibrate_fp8: bool = False):
+        self.runner = ModelRunner(model, kv_cache, calibrate_fp8=calibrate_fp8)
+        self.kv_cache, self.device = kv_cache, kv_cache.device
+        self.block_size = kv_cache.key_caches[0].shape[1]
+        # seq id -> tokens whose draft K/V are in the draft cache (a prefix of the sequence)
+        self._computed: dict[int, int] = {}
+
+    def apply_moves(self, moves: BlockOps) -> None:
+        self.kv_cache.apply(moves)
+
+    def propose(self, batch: StepBatch, requests: Seq[DraftRequest]
+                ) -> tuple[list[list[int]], list[Optional[torch.Tensor]]]:
+        """``(drafts, probs)`` per request: ``k`` tokens, and for sampled requests the float32
+        ``[k, V]`` distributions they were drawn from (None for greedy ones)."""
+        if not requests:
+            return [], []
+        tables = batch.block_tables
+        bs, dev = self.block_size, self.device
+        drafts: list[list[int]] = [[] for _ in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        # Pass 1 catches each cache up and drafts one token; pass j > 1 feeds draft j - 1.
+        for j in range(max(r.k for r in requests)):
+            active = [i for i, r in enumerate(requests) if r.k > j]
+            input_ids, positions, owners, q_lens, seq_lens = [], [], [], [], []
+            for i in active:
+                r = requests[i]
+                n = len(r.token_ids)
+                if j == 0:
+                    start = min(self._computed.get(r.seq_id, 0), r.num_computed, n - 1)
+                    input_ids += r.token_ids[start:n]
+                    positions += range(start, n)
+                else:
+                    input_ids.append(drafts[i][-1])
+                    positions.append(n + j - 1)
+                q_lens.append(len(positions) - sum(q_lens))
+                owners += [r.batch_index] * q_lens[-1]
+                seq_lens.append(positions[-1] + 1)
+            pos = torch.tensor(positions, dtype=torch.int64)
+            rows = tables[torch.tensor([requests[i].batch_index for i in active])]
+            slot_mapping = (tables[torch.tensor(owners), pos // bs].long() * bs + pos % bs)
+            cu = torch.zeros(len(active) + 1, dtype=torch.int32)
+            torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0, out=cu[1:])
+            step = StepBatch(
+                seqs=[], num_scheduled_tokens=q_lens, num_draft_tokens=[0] * len(active),
+                input_ids=torch.tensor(input_ids, dtype=torch.int64), positions=pos,
+                slot_mapping=slot_mapping, block_tables=rows,
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32), cu_seqlens_q=cu,
+                max_q_len=max(q_lens), logits_indices=(cu[1:] - 1).long(),
+                block_ops=BlockOps(_NO_MOVES, _NO_MOVES, _NO_MOVES))
+            logits = self.runner.execute(step)
+            tokens = logits.argmax(dim=-1).tolist()
+            sampled = [a for a, i in enumerate(active) if requests[i].row.temperature > 0]
+            if sampled:
+                dist = draft_distribution(logits[sampled],
+                                          [requests[active[a]].row for a in sampled])
+                for b, a in enumerate(sampled):
+                    r = requests[active[a]]
+                    tokens[a] = int(torch.multinomial(dist[b], 1, generator=r.generator))
+                    probs[active[a]].append(dist[b])
+            for a, i in enumerate(active):
+                drafts[i].append(tokens[a])
+        for r in requests:    # K/V written: up to the last token, then drafts 1 .. k-1
+            self._computed[r.seq_id] = len(r.token_ids) + r.k - 1
+        return drafts, [torch.stack(p) if p else None for p in probs]
+
+    def on_verified(self, seq_id: int, num_tokens_before: int, k: int, accepted: int) -> None:
+        """After verification: the draft K/V of rejected drafts are stale."""
+        if seq_id in self._computed:
+            self._computed[seq_id] = min(self._computed[seq_id], num_tokens_before + accepted)
+
+    def forget(self, seq_id: int) -> None:
+        self._computed.pop(seq_id, None)
+
+
+@dataclass
+class Verification:
+    """One sequence's drafts and the target's ``k + 1`` logits rows for them."""
+    logits: torch.Tensor                     # float32 [k + 1, V]
+    drafts: list[int]                        # k tokens
+    draft_probs: Optional[torch.Tensor]      # float32 [k, V]; None: one-hot (n-gram, greedy)
+    row: SamplingRow
+    generator: torch.Generator
+
+
+def verify_drafts(items: Seq[Verification]) -> list[list[int]]:
+    """Each sequence's accepted drafts followed by one corrected or bonus token.
+
+    Greedy requests go through :func:`ops.greedy_verify` on the target's argmax, sampled ones
+    through :func:`ops.rejection_sample` on the processed target distribution, with the uniforms
+    drawn from each request's own generator (k for acceptance, then k + 1 for resampling)."""
+    out: list[list[int]] = [[] for _ in items]
+    greedy = [i for i, v in enumerate(items) if v.row.temperature == 0]
+    sampled = [i for i, v in enumerate(items) if v.row.temperature > 0]
+    for group, is_greedy in ((greedy, True), (sampled, False)):
+        if not group:
+            continue
+        dev = items[group[0]].logits.device
+        k = max(len(items[i].drafts) for i in group)
+        ks = torch.tensor([len(items[i].drafts) for i in group], dtype=torch.int32)
+        drafts = torch.tensor([items[i].drafts + [0] * (k - len(items[i].drafts)) for i in group],
+                              dtype=torch.int64).view(len(group), k)
+        # Rows past a request's k_b repeat its last row; the ops never read them.
+        target = torch.stack([_pad_rows(items[i].logits, k + 1) for i in group])
+        if is_greedy:
+            tokens, accepted = ops.greedy_verify(drafts.to(dev), target.argmax(-1),
+                                                 ks.to(dev))
         else:
-            probs = torch.softmax(target / self.temperature, dim=-1)
-            out, accepted = ops.rejection_sample(drafts, None, probs, num_draft_tokens=num_drafts,
-                                                 generator=self.generator)
-        out, accepted = out.tolist(), accepted.tolist()
-        for row, i in enumerate(has_rows):
-            sampled[i] = out[row][:accepted[row] + 1]
-            self.num_drafted += ks[row]
-            self.num_accepted += accepted[row]
-        return sampled
+            rows = [items[i].row for i in group]
+            V = target.shape[-1]
+            target_probs = processed_probs(target.view(-1, V),
+                                           [r for r in rows for _ in range(k + 1)])
+            target_probs = target_probs.view(len(group), k + 1, V)
+            one_hot = items[group[0]].draft_probs is None
+            draft_probs = None if one_hot else torch.stack(
+                [_pad_rows(items[i].draft_probs, k) for i in group])
+            u_accept = torch.zeros(len(group), k, device=dev)
+            u_resample = torch.zeros(len(group), k + 1, device=dev)
+            for b, i in enumerate(group):
+                kb = len(items[i].drafts)
+                g = items[i].generator
+                u_accept[b, :kb] = torch.rand(kb, generator=g, device=dev)
+                u_resample[b, :kb + 1] = torch.rand(kb + 1, generator=g, device=dev)
+            tokens, accepted = ops.rejection_sample(drafts.to(dev), draft_probs, target_probs,
+                                                    u_accept, u_resample, ks.to(dev))
+        tokens, accepted = tokens.tolist(), accepted.tolist()
+        for b, i in enumerate(group):
+            out[i] = tokens[b][:accepted[b] + 1]
+    return out
 
-    @staticmethod
-    def _has_logits(batch: StepBatch, i: int) -> bool:
-        """Whether sequence i's rows reach the end of its known tokens (so it samples)."""
-        seq = batch.seqs[i]
-        computed_after = seq.num_computed_tokens + batch.num_scheduled_tokens[i]
-        return computed_after >= len(seq.token_ids)
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` ``[r, V]`` padded to ``[rows, V]`` by repeating its last row (rows > r), or
+    zeros when ``x`` has no row."""
+    if x.shape[0] == rows:
+        return x
+    if x.shape[0] == 0:
+        return x.new_zeros((rows, x.shape[1]))
+    return torch.cat([x, x[-1:].expand(rows - x.shape[0], -1)])

@@ -1,0 +1,193 @@
+"""Chooses each step's number of draft tokens from measured costs and acceptance.
+
+The model. A decoding sequence r that drafts k tokens emits ``E_r(k) = 1 + sum_{i<=k}
+prod_{j<=i} a_r(j)`` tokens in expectation, where ``a_r(j)`` is the probability that draft j is
+accepted given drafts 1..j-1 were: a moving average per draft position over all requests, scaled
+by the request's own moving acceptance relative to the global one (a request whose drafts keep
+failing drafts less). A step with ``B`` decoding sequences drafting ``k`` each and ``P`` other
+tokens (prefill chunks) costs ``k * d(B) + t(P + B (k + 1))``: ``d`` the draft pass cost by batch
+size, ``t`` the target step cost by tokens in the step, both measured on this machine as the run
+goes. The controller picks the k in ``0..max_k`` that maximizes ``sum_r E_r(k) / cost(k)``
+(k = 0 is plain decoding: ``B / t(P + B)``). This is seed 004's speedup rule ``(1 - a^(k+1)) /
+((1 - a) (k c + 1))`` with its two simplifications removed: the target's cost grows with the
+tokens verified (it is not free once the batch is compute-bound), and acceptance varies by
+position and request.
+
+Measurements. ``t`` and ``d`` are kept as moving averages in buckets of powers of two of their
+argument and interpolated linearly between measured buckets; outside them ``t`` is extrapolated
+proportionally to the tokens (pessimistic for speculation, so an unmeasured large k is never
+chosen on hope). Every ``explore_every`` steps one step uses a neighbour of the best k (best + 1
+when speculation is off), so costs and acceptance stay measured near the choice at the price of
+one slightly worse step; the first steps draft ``max_k`` to learn the acceptance, then one plain
+step measures the cost without drafts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+
+class CostCurve:
+    """Seconds as a function of a size, from measurements: a moving average per power-of-two
+    bucket, linear interpolation between buckets, proportional extrapolation above, constant
+    below."""
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self._buckets: dict[int, list[float]] = {}   # bucket -> [mean size, mean seconds]
+
+    def observe(self, size: int, seconds: float) -> None:
+        b = max(int(size), 1).bit_length()
+        if b not in self._buckets:
+            self._buckets[b] = [float(size), seconds]
+        else:
+            m = self._buckets[b]
+            m[0] = self.decay * m[0] + (1 - self.decay) * size
+            m[1] = self.decay * m[1] + (1 - self.decay) * seconds
+
+    def known(self, size: int) -> bool:
+        return max(int(size), 1).bit_length() in self._buckets
+
+    def __call__(self, size: int) -> Optional[float]:
+        if not self._buckets:
+            return None
+        points = sorted(self._buckets.values())
+        if size <= points[0][0]:
+            return points[0][1]
+        for (x0, y0), (x1, y1) in zip(points, points[1:]):
+            if size <= x1:
+                return y0 + (y1 - y0) * (size - x0) / max(x1 - x0, 1e-9)
+        x, y = points[-1]
+        return y * size / max(x, 1e-9)
+
+
+@dataclass
+class SpecStats:
+    """vLLM's speculative-decoding metrics, plus time per step."""
+    num_drafts: int = 0                  # sequence-steps that drafted at least one token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    num_steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per drafting sequence-step: 1 + accepted / drafts (vLLM's)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def as_dict(self) -> dict:
+        per_pos = [a / d if d else 0.0 for a, d in zip(self.accepted_per_position,
+                                                        self.drafted_per_position)]
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "acceptance_rate": self.acceptance_rate,
+                "mean_acceptance_length": self.mean_acceptance_length,
+                "accepted_per_position": list(self.accepted_per_position),
+                "acceptance_rate_per_position": per_pos,
+                "draft_seconds_per_step": self.draft_seconds / max(self.num_steps, 1),
+                "target_seconds_per_step": self.target_seconds / max(self.num_steps, 1),
+                "num_steps": self.num_steps}
+
+
+class SpeculationController:
+    """Picks k per step. ``adaptive=False`` always drafts ``max_k`` (a fixed k)."""
+
+    def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 4,
+                 explore_every: int = 8, decay: float = 0.9, prior: float = 0.5):
+        if max_k < 1:
+            raise ValueError(f"SpeculationController: max_k must be >= 1, got {max_k}")
+        self.max_k, self.adaptive = max_k, adaptive
+        self.warmup_steps, self.explore_every, self.decay = warmup_steps, explore_every, decay
+        self.accept = [prior] * max_k           # P(draft j accepted | drafts < j accepted)
+        self.global_rate = prior                # moving per-draft acceptance over requests
+        self._request_rate: dict[int, float] = {}
+        self.target_cost = CostCurve()          # seconds per target step, by tokens
+        self.draft_cost = CostCurve()           # seconds per draft pass, by sequences
+        self.steps = 0
+        self.history: list[int] = []            # the k chosen at each step
+
+    # ---- what was measured ------------------------------------------------------------------
+    def observe_target(self, num_tokens: int, seconds: float) -> None:
+        self.target_cost.observe(num_tokens, seconds)
+
+    def observe_draft(self, num_seqs: int, num_passes: int, seconds: float) -> None:
+        if num_passes:
+            self.draft_cost.observe(num_seqs, seconds / num_passes)
+
+    def observe_acceptance(self, request_key: int, k: int, accepted: int) -> None:
+        d = self.decay
+        for j in range(min(accepted + 1, k)):   # positions reached: accepted ones + the first fail
+            hit = 1.0 if j < accepted else 0.0
+            self.accept[j] = d * self.accept[j] + (1 - d) * hit
+        rate = accepted / k
+        self.global_rate = d * self.global_rate + (1 - d) * rate
+        prev = self._request_rate.get(request_key, self.global_rate)
+        self._request_rate[request_key] = 0.5 * prev + 0.5 * rate
+
+    def forget(self, request_key: int) -> None:
+        self._request_rate.pop(request_key, None)
+
+    # ---- the choice -----------------------------------------------------------------------
+    def expected_tokens(self, request_key: int, k: int) -> float:
+        """``E_r(k)``: tokens a request emits in expectation when it drafts k."""
+        scale = 1.0
+        if request_key in self._request_rate and self.global_rate > 0:
+            scale = min(self._request_rate[request_key] / self.global_rate, 1.5)
+        total, p = 1.0, 1.0
+        for j in range(k):
+            p *= min(self.accept[j] * scale, 1.0)
+            total += p
+        return total
+
+    def predicted_rate(self, k: int, request_keys: Sequence[int], room: Sequence[int],
+                       other_tokens: int) -> Optional[float]:
+        """Expected tokens per second of a step drafting ``min(k, room_r)`` per request."""
+        ks = [min(k, r) for r in room]
+        tokens = other_tokens + sum(1 + kr for kr in ks)
+        t = self.target_cost(tokens)
+        if t is None:
+            return None
+        passes = max(ks, default=0)
+        d = self.draft_cost(len(request_keys)) if passes else 0.0
+        if d is None:
+            return None
+        emitted = sum(self.expected_tokens(key, kr) for key, kr in zip(request_keys, ks))
+        return emitted / (t + passes * d)
+
+    def choose(self, request_keys: Sequence[int], room: Sequence[int],
+               other_tokens: int) -> int:
+        """k for this step, given the decoding requests (``room``: drafts each may still take
+        before its length limit) and the step's other (prefill) tokens."""
+        if not request_keys:
+            return 0
+        self.steps += 1
+        if not self.adaptive:
+            k = self.max_k
+        elif self.steps <= self.warmup_steps:
+            # Learn the acceptance and the speculative costs, then the plain step's cost.
+            k = self.max_k if self.steps < self.warmup_steps else 0
+        else:
+            rates = [(self.predicted_rate(k, request_keys, room, other_tokens) or 0.0, -k)
+                     for k in range(self.max_k + 1)]
+            k = -max(rates)[1]
+            if self.steps % self.explore_every == 0:
+                k = self._explore(k, len(request_keys), other_tokens)
+        self.history.append(k)
+        return k
+
+    def _explore(self, best: int, num_seqs: int, other_tokens: int) -> int:
+        """A neighbour of the best k, so its cost and (from k = 0) the acceptance stay measured:
+        one whose target cost bucket is unmeasured if there is one, else best + 1 and best - 1
+        in turn. A neighbour costs little more than the best, so exploring is cheap."""
+        up, down = min(best + 1, self.max_k), max(best - 1, 0)
+        for k in (up, down):
+            if not self.target_cost.known(other_tokens + num_seqs * (1 + k)):
+                return k
+        return up if (self.steps // self.explore_every) % 2 else down

@@ -1,0 +1,385 @@
+"""Speculative decoding through the ``LLM`` API: n-gram and draft-model drafters, verification,
+rollback in both caches, and the adaptive controller.
+
+Greedy speculation must reproduce plain greedy decoding token for token. Both runs are float32
+but batch rows differently, so they agree to rounding, not bit for bit; where the reference's two
+best tokens are within 1e-4 (a near-tie, which a random checkpoint has now and then) the runs may
+part, and the comparison stops there. Sampled speculation must follow the same distribution as
+plain sampling (chi-square against the exact distribution, with a check of the test's power).
+"""
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from scipy import stats
+
+from checkpoints import hf_model, make_checkpoint
+from pagedspec import LLM, SamplingParams
+from pagedspec.engine import NgramProposer, SpeculationController
+from pagedspec.engine.sequence import SequenceStatus
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+PROMPTS = ["def fibonacci(n):", "import os, sys", "class Stack:\n    def push(self, item):",
+           "print(", "    return a"]
+TIE = 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """A target whose layers are weak (close to a bigram model: its greedy text repeats, so
+    n-gram drafts get accepted), an aligned draft (the target cut to its first layer, sharing
+    embeddings and head), and a misaligned one (unrelated random weights)."""
+    root = tmp_path_factory.mktemp("spec")
+    target = make_checkpoint(root / "target", "llama", seed=3, num_attention_heads=8,
+                             num_key_value_heads=2, num_hidden_layers=3, scale_outputs=0.5)
+    aligned = first_layer_copy(target, root / "aligned")
+    misaligned = make_checkpoint(root / "misaligned", "llama", seed=11, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)
+    return {"target": target, "aligned": aligned, "misaligned": misaligned}
+
+
+def first_layer_copy(src, dst):
+    """The checkpoint ``src`` cut to its first layer (same embeddings, norm and head): a draft
+    that agrees with the target often, not always."""
+    shutil.copytree(src, dst)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    config.pop("layer_types", None)
+    (dst / "config.json").write_text(json.dumps(config))
+    tensors = load_file(src / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if not k.startswith("model.layers.")
+               or k.startswith("model.layers.0.")}, dst / "model.safetensors")
+    return dst
+
+
+def make_llm(models, spec=None, **kwargs):
+    if spec is not None and spec != "ngram":
+        spec = models[spec]
+    return LLM(models["target"], dtype="float32", device="cpu", max_model_len=256,
+               speculative_model=spec, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    """Plain greedy outputs and their top-2 margins (for near-tie detection)."""
+    llm = make_llm(models)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=48, logprobs=2, **GREEDY))
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        margins = [sorted((e.logprob for e in entry.values()), reverse=True)
+                   for entry in c.logprobs]
+        result.append((c.token_ids, [m[0] - m[1] for m in margins]))
+    return result
+
+
+def assert_greedy_equal(got: list[int], expected: tuple[list[int], list[float]]) -> None:
+    tokens, margins = expected
+    assert len(got) <= len(tokens)
+    for i, (a, b) in enumerate(zip(got, tokens)):
+        if margins[i] < TIE:
+            return                            # a near-tie: both continuations are greedy
+        assert a == b, f"token {i}: {a} != {b} (margin {margins[i]:.2e})"
+
+
+# ---- n-gram proposer ----------------------------------------------------------------------
+def test_ngram_proposer_cases():
+    p = NgramProposer(max_n=3)
+    assert p.propose(0, [1, 2, 3, 1, 2], 3) == [3, 1, 2]          # 2-gram [1, 2] at 0
+    assert p.propose(1, [4, 1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]    # 3-gram beats 1-gram
+    assert p.propose(2, [1, 2, 7, 1, 2, 8, 1, 2], 2) == [8, 1]    # the latest match
+    assert p.propose(3, [5, 5, 5], 4) == [5, 5, 5, 5]             # runs into its proposal
+    assert p.propose(4, [1, 2, 3], 2) == []
+    assert p.propose(5, [1], 2) == []
+    with pytest.raises(ValueError):
+        NgramProposer(max_n=1, min_n=2)
+
+
+def brute_force_propose(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    end = len(tokens)
+    for n in range(min(max_n, end - 1), min_n - 1, -1):
+        for start in range(end - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[end - n:]:
+                out = list(tokens)
+                for i in range(k):
+                    out.append(out[start + n + i])
+                return out[end:]
+    return []
+
+
+def test_ngram_proposer_incremental_index_equals_brute_force():
+    rng = random.Random(0)
+    p = NgramProposer(max_n=4, min_n=2)
+    for seq_id in range(20):
+        tokens = [rng.randrange(6) for _ in range(3)]
+        for _ in range(60):                   # grow as a decode does: 1-3 tokens at a time
+            k = rng.randint(1, 5)
+            assert p.propose(seq_id, tokens, k) == brute_force_propose(tokens, k, 4, 2)
+            tokens += [rng.randrange(6) for _ in range(rng.randint(1, 3))]
+        p.forget(seq_id)
+    assert not p._index
+
+
+# ---- greedy speculation == greedy ---------------------------------------------------------
+@pytest.mark.parametrize("k", range(1, 9))
+def test_greedy_equal_for_every_k(models, plain, k):
+    for spec in ("ngram", "aligned"):
+        llm = make_llm(models, spec, num_speculative_tokens=k, speculative_adaptive=False)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=48, **GREEDY))
+        for o, exp in zip(outs, plain):
+            assert_greedy_equal(o.outputs[0].token_ids, exp)
+        m = llm.speculative_metrics()
+        assert m["num_draft_tokens"] > 0 and 0 < m["num_accepted_tokens"] <= m["num_draft_tokens"]
+        assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("spec", ["ngram", "aligned", "misaligned"])
+def test_mixed_batches_prefix_cache_and_preemption(models, plain, spec):
+    """Greedy and sampled requests, with different lengths, in one run with a pool that forces
+    preemption (recompute, then swap); twice, so the second run hits the prefix cache."""
+    greedy = [SamplingParams(max_tokens=48 - 7 * i, **GREEDY) for i in range(len(PROMPTS))]
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, ignore_eos=True, seed=4)
+    for kwargs in (dict(preemption_mode="recompute"),
+                   dict(preemption_mode="swap", swap_space=0.01)):
+        llm = make_llm(models, spec, num_speculative_tokens=4, num_kv_blocks=20, block_size=8,
+                       **kwargs)
+        for _ in range(2):
+            outs = llm.generate(PROMPTS + PROMPTS[:2], greedy + [sampled, sampled])
+            for o, exp in zip(outs, plain):
+                tokens = o.outputs[0].token_ids
+                assert_greedy_equal(tokens, (exp[0][:len(tokens)], exp[1]))
+            assert [len(o.outputs[0].token_ids) for o in outs[-2:]] == [30, 30]
+            bm = llm.block_manager
+            bm.check_invariants()
+            assert bm.num_free_blocks == bm.num_blocks
+        assert llm.scheduler.num_preemptions > 0, "the pool never ran short"
+        assert sum(o.num_cached_tokens for o in outs) > 0
+
+
+# ---- sampled speculation: the distribution ----------------------------------------------------
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """Target and a partly aligned draft over 8 tokens (no tokenizer: token-id prompts)."""
+    root = tmp_path_factory.mktemp("v8")
+    cfg = dict(vocab_size=8, bos_token_id=None, eos_token_id=None, logit_scale=10.0)
+    target = make_checkpoint(root / "t", "llama", seed=5, tokenizer=False, scale_outputs=0.7,
+                             **cfg)
+    return target, first_layer_copy(target, root / "d")
+
+
+def exact_three_token_distribution(path, prompt: list[int], temperature: float) -> np.ndarray:
+    """P(t1, t2, t3) of sampling three tokens at ``temperature`` from the checkpoint (float64,
+    by enumerating the 8 + 64 prefixes)."""
+    hf = hf_model(path)
+
+    def next_probs(prefix: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + prefix])).logits[0, -1].double()
+        return (logits / temperature).softmax(-1)
+
+    V = 8
+    p = np.zeros((V, V, V))
+    p1 = next_probs([])
+    for a in range(V):
+        p2 = next_probs([a])
+        for b in range(V):
+            p[a, b] = (p1[a] * p2[b] * next_probs([a, b])).numpy()
+    return p
+
+
+def three_token_counts(llm, prompt, temperature, n) -> np.ndarray:
+    out = llm.generate([prompt], SamplingParams(temperature=temperature, n=n, max_tokens=3,
+                                                ignore_eos=True, seed=17))[0]
+    counts = np.zeros((8, 8, 8))
+    for c in out.outputs:
+        counts[tuple(c.token_ids)] += 1
+    return counts
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    counts, probs = counts.ravel(), probs.ravel()
+    big = probs * counts.sum() >= 5           # pool the rare cells so the test is valid
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(probs[big], probs[~big].sum()) * counts.sum()
+    keep = exp > 0
+    return float(stats.chisquare(obs[keep], exp[keep]).pvalue)
+
+
+def test_sampled_speculation_keeps_the_target_distribution(small_vocab, monkeypatch):
+    """6000 three-token completions (n=6000 forks of one prompt, each drafting on its own after
+    the first token) with draft-model speculation, against the exact joint distribution of the
+    target's three tokens; cells expecting fewer than 5 are pooled. p < 1e-4 rejects a right
+    implementation once in 10^4 runs. Then the power: the same test must reject a loop that
+    passes the draft's probabilities to rejection sampling without the temperature (while the
+    drafts were drawn with it), which biases the output towards the draft."""
+    target, draft = small_vocab
+    prompt, temperature, n = [1, 4, 2, 7], 0.4, 6000
+    exact = exact_three_token_distribution(target, prompt, temperature)
+
+    def make():   # a pool for every fork: no preemption (a recomputed fork would not draft)
+        return LLM(target, dtype="float32", device="cpu", skip_tokenizer_init=True,
+                   max_model_len=32, speculative_model=draft, num_speculative_tokens=2,
+                   speculative_adaptive=False, seed=3, num_kv_blocks=n + 8, max_num_seqs=n,
+                   max_num_batched_tokens=4 * n)
+
+    llm = make()
+    counts = three_token_counts(llm, prompt, temperature, n)
+    m = llm.speculative_metrics()
+    assert m["num_drafts"] == n and llm.scheduler.num_preemptions == 0
+    assert 0.2 < m["acceptance_rate"] < 0.95, m     # drafts both accepted and rejected
+    assert chi_square_p(counts, exact) > 1e-4
+    plain = LLM(target, dtype="float32", device="cpu", skip_tokenizer_init=True,
+                max_model_len=32, seed=3)
+    assert chi_square_p(three_token_counts(plain, prompt, temperature, n), exact) > 1e-4
+
+    import pagedspec.llm as llm_module
+    original = llm_module.verify_drafts
+
+    def without_temperature(items):
+        for item in items:
+            if item.draft_probs is not None:     # softmax(l/T) -> softmax(l): p^T, renormalized
+                raw = item.draft_probs.double() ** item.row.temperature
+                item.draft_probs = (raw / raw.sum(-1, keepdim=True)).float()
+        return original(items)
+
+    monkeypatch.setattr(llm_module, "verify_drafts", without_temperature)
+    wc = three_token_counts(make(), prompt, temperature, n)
+    assert chi_square_p(wc, exact) < 1e-6
+
+
+# ---- rollback: both caches hold exactly the live tokens' K/V ----------------------------------
+def dense_kv(model, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the K (after RoPE) and V of every position, from a dense causal pass."""
+    import torch.nn.functional as F
+    kvs = []
+
+    def attend(layer, q, k, v):
+        kvs.append((k.clone(), v.clone()))
+        g = q.shape[1] // k.shape[1]
+        qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        out = F.scaled_dot_product_attention(qt, kt.repeat_interleave(g, 0),
+                                             vt.repeat_interleave(g, 0), is_causal=True,
+                                             scale=model.scale)
+        return out.transpose(0, 1)
+
+    with torch.no_grad():
+        model.forward(torch.tensor(tokens), torch.arange(len(tokens)), attend)
+    return kvs
+
+
+def cached_kv(kv_cache, blocks: list[int], n: int, layer: int):
+    bs = kv_cache.key_caches[0].shape[1]
+    slots = torch.tensor([blocks[p // bs] * bs + p % bs for p in range(n)])
+    k = kv_cache.key_caches[layer].flatten(0, 1)[slots]
+    v = kv_cache.value_caches[layer].flatten(0, 1)[slots]
+    return k, v
+
+
+def test_after_rollback_both_caches_hold_the_live_tokens(models):
+    llm = make_llm(models, "aligned", num_speculative_tokens=5, speculative_adaptive=False,
+                   num_kv_blocks=64, block_size=8)
+    for cache in (llm.kv_cache.key_caches + llm.kv_cache.value_caches
+                  + llm.speculation.draft.kv_cache.key_caches
+                  + llm.speculation.draft.kv_cache.value_caches):
+        cache.fill_(float("nan"))
+    requests = llm._make_requests(PROMPTS, SamplingParams(temperature=0.9, max_tokens=60,
+                                                          ignore_eos=True, seed=2))
+    for r in requests:
+        llm._submit(r)
+    for _ in range(12):
+        llm._step()
+    draft = llm.speculation.draft
+    assert llm.speculative_metrics()["num_accepted_tokens"] < \
+        llm.speculative_metrics()["num_draft_tokens"], "nothing was ever rolled back"
+    for seq in llm.scheduler.running:
+        assert seq.status is SequenceStatus.RUNNING
+        blocks = llm.block_manager.tables[seq.seq_id].blocks
+        n = seq.num_computed_tokens
+        for model, cache, count in ((llm.model, llm.kv_cache, n),
+                                    (llm.draft_model, draft.kv_cache, draft._computed[seq.seq_id])):
+            assert 0 < count <= n
+            expected = dense_kv(model, seq.token_ids[:count])
+            for layer, (k_ref, v_ref) in enumerate(expected):
+                k, v = cached_kv(cache, blocks, count, layer)
+                torch.testing.assert_close(k, k_ref, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_thousands_of_random_steps_leak_no_block(models):
+    rng = random.Random(1)
+    llm = make_llm(models, "aligned", num_speculative_tokens=4, num_kv_blocks=24, block_size=8,
+                   swap_space=0.005, max_num_seqs=6, max_num_batched_tokens=64)
+    while llm.speculation.stats.num_steps < 1500:
+        n = rng.randint(1, 8)
+        prompts = [[rng.randrange(1, 320) for _ in range(rng.randint(1, 40))] for _ in range(n)]
+        params = [SamplingParams(temperature=rng.choice([0, 0.7, 1.0]),
+                                 max_tokens=rng.randint(1, 50), n=rng.choice([1, 1, 2]),
+                                 stop_token_ids=[rng.randrange(320)], seed=rng.choice([None, 5]))
+                  for _ in prompts]
+        llm.generate(prompts, params, use_tqdm=False)
+        llm.block_manager.check_invariants()
+        assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+        assert not llm._by_seq and not llm.speculation.draft._computed
+    assert llm.scheduler.num_preemptions > 0
+
+
+# ---- the controller ---------------------------------------------------------------------------
+def test_controller_model_on_synthetic_costs():
+    """Memory-bound target (verifying more tokens is almost free): drafts pay when they are
+    accepted, not when they are not. Compute-bound target (cost grows with every token): even
+    well-accepted drafts of a costly draft model do not pay at a large batch."""
+    def run(accept: float, target_cost, draft_cost: float, batch: int) -> list[int]:
+        c = SpeculationController(max_k=8)
+        rng = random.Random(0)
+        keys = list(range(batch))
+        for _ in range(200):
+            k = c.choose(keys, [100] * batch, 0)
+            c.observe_target(batch * (1 + k), target_cost(batch * (1 + k)))
+            if k:
+                c.observe_draft(batch, k, k * draft_cost)
+                for key in keys:
+                    acc = 0
+                    while acc < k and rng.random() < accept:
+                        acc += 1
+                    c.observe_acceptance(key, k, acc)
+        return c.history[-100:]
+
+    memory_bound = lambda t: 1e-2 + 1e-5 * t          # noqa: E731
+    compute_bound = lambda t: 1e-4 * t                 # noqa: E731
+    assert np.mean(run(0.9, memory_bound, 1e-3, 1)) >= 4
+    assert np.mean([k > 0 for k in run(0.0, memory_bound, 1e-3, 1)]) <= 0.1
+    assert np.mean([k > 0 for k in run(0.7, compute_bound, 5e-3, 64)]) <= 0.1
+
+
+def test_controller_turns_a_misaligned_draft_off_and_keeps_an_aligned_one(models):
+    params = SamplingParams(max_tokens=64, **GREEDY)
+    bad = make_llm(models, "misaligned", num_speculative_tokens=4)
+    bad.generate(PROMPTS[:2], params)
+    history = bad.speculation.controller.history
+    assert all(k == 0 for i, k in enumerate(history[8:], 9) if i % 8), history
+    good = make_llm(models, "ngram", num_speculative_tokens=4)
+    good.generate(PROMPTS[:2], params)
+    history = good.speculation.controller.history
+    assert np.mean([k > 0 for k in history[8:]]) > 0.5, history
+
+
+def test_vocabulary_mismatch_is_refused(models, tmp_path):
+    other = make_checkpoint(tmp_path / "v400", "llama", vocab_size=400)
+    with pytest.raises(ValueError, match="vocabulary of 400 tokens, the target 320"):
+        make_llm({**models, "other": other}, "other")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be"):
+        make_llm(models, "ngram", num_speculative_tokens=0)
