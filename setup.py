@@ -92,6 +92,8 @@ class CMakeBuild(build_ext):
 setup(
     packages=find_packages("python"),
     package_dir={"": "python"},
+    # The shipped demo checkpoints (tools/train_demo_models.py writes them).
+    package_data={"pagedspec.models": ["data/*/*"]},
     ext_modules=[CMakeExtension("pagedspec._C")],
     cmdclass={"build_ext": CMakeBuild},
     zip_safe=False,
