@@ -562,6 +562,9 @@ class LLM:
                       if not s.is_decoding)
         other = min(prefill, self.scheduler.config.max_num_batched_tokens - len(decoding))
         k = spec.controller.choose([s.seq_id for s in decoding], room, max(other, 0))
+        if spec.ngram is not None:        # index new tokens outside the timed proposal
+            for seq in decoding:
+                spec.ngram.update(seq.seq_id, seq.token_ids)
         if k:
             start = time.perf_counter()
             for seq, r in zip(decoding, room):
@@ -599,9 +602,12 @@ class LLM:
             ids[first:first + r.k] = torch.tensor(tokens, dtype=ids.dtype, device=ids.device)
             batch.seqs[r.batch_index].draft_token_ids = tokens
             draft_probs[r.batch_index] = p
-        seconds = self._synchronized(start)
-        spec.controller.observe_draft(len(requests), max(r.k for r in requests), seconds)
-        spec.stats.draft_seconds += seconds
+        spec.stats.draft_seconds += self._synchronized(start)
+        # The controller learns the cost of a drafting pass (one token per sequence): the first
+        # pass also catches the draft cache up, which costs more the first time (the prompt).
+        for num_seqs, num_tokens, seconds in spec.draft.pass_times:
+            if num_tokens <= 2 * num_seqs:
+                spec.controller.observe_draft(num_seqs, 1, seconds)
         return draft_probs
 
     def _synchronized(self, start: float) -> float:

@@ -4,7 +4,7 @@ The model. A decoding sequence r that drafts k tokens emits ``E_r(k) = 1 + sum_{
 prod_{j<=i} a_r(j)`` tokens in expectation, where ``a_r(j)`` is the probability that draft j is
 accepted given drafts 1..j-1 were: a moving average per draft position over all requests, scaled
 by the request's own moving acceptance relative to the global one (a request whose drafts keep
-failing drafts less). A step with ``B`` decoding sequences drafting ``k`` each and ``P`` other
+failing drafts less); a position seldom reached borrows the estimate of the one before it. A step with ``B`` decoding sequences drafting ``k`` each and ``P`` other
 tokens (prefill chunks) costs ``k * d(B) + t(P + B (k + 1))``: ``d`` the draft pass cost by batch
 size, ``t`` the target step cost by tokens in the step, both measured on this machine as the run
 goes. The controller picks the k in ``0..max_k`` that maximizes ``sum_r E_r(k) / cost(k)``
@@ -106,6 +106,7 @@ class SpeculationController:
         self.max_k, self.adaptive = max_k, adaptive
         self.warmup_steps, self.explore_every, self.decay = warmup_steps, explore_every, decay
         self.accept = [prior] * max_k           # P(draft j accepted | drafts < j accepted)
+        self.accept_seen = [0] * max_k          # observations behind each estimate
         self.global_rate = prior                # moving per-draft acceptance over requests
         self._request_rate: dict[int, float] = {}
         self.target_cost = CostCurve()          # seconds per target step, by tokens
@@ -126,6 +127,7 @@ class SpeculationController:
         for j in range(min(accepted + 1, k)):   # positions reached: accepted ones + the first fail
             hit = 1.0 if j < accepted else 0.0
             self.accept[j] = d * self.accept[j] + (1 - d) * hit
+            self.accept_seen[j] += 1
         rate = accepted / k
         self.global_rate = d * self.global_rate + (1 - d) * rate
         prev = self._request_rate.get(request_key, self.global_rate)
@@ -140,9 +142,12 @@ class SpeculationController:
         scale = 1.0
         if request_key in self._request_rate and self.global_rate > 0:
             scale = min(self._request_rate[request_key] / self.global_rate, 1.5)
-        total, p = 1.0, 1.0
+        total, p, a = 1.0, 1.0, self.accept[0]
         for j in range(k):
-            p *= min(self.accept[j] * scale, 1.0)
+            # A position seldom reached (k was smaller) borrows the estimate before it.
+            if self.accept_seen[j] >= 3 or j == 0:
+                a = self.accept[j]
+            p *= min(a * scale, 1.0)
             total += p
         return total
 

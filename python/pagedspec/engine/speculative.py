@@ -24,6 +24,7 @@ Drafters:
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence as Seq
 
@@ -56,8 +57,8 @@ class NgramProposer:
         # has a successor})
         self._index: dict[int, tuple[int, dict[tuple, int]]] = {}
 
-    def propose(self, seq_id: int, token_ids: Seq[int], k: int) -> list[int]:
-        """Up to ``k`` draft tokens following ``token_ids`` (none when no n-gram recurs)."""
+    def update(self, seq_id: int, token_ids: Seq[int]) -> dict[tuple, int]:
+        """Indexes the tokens added since the last call (all of them the first time)."""
         end = len(token_ids)
         done, index = self._index.get(seq_id, (0, {}))
         lo, hi = self.min_n, self.max_n
@@ -65,6 +66,12 @@ class NgramProposer:
             for n in range(lo, min(hi, p) + 1):
                 index[tuple(token_ids[p - n:p])] = p - n
         self._index[seq_id] = (end, index)
+        return index
+
+    def propose(self, seq_id: int, token_ids: Seq[int], k: int) -> list[int]:
+        """Up to ``k`` draft tokens following ``token_ids`` (none when no n-gram recurs)."""
+        index = self.update(seq_id, token_ids)
+        end, lo, hi = len(token_ids), self.min_n, self.max_n
         if k <= 0:
             return []
         for n in range(min(hi, end - 1), lo - 1, -1):
@@ -109,6 +116,7 @@ class DraftModelProposer:
         self.runner = ModelRunner(model, kv_cache, calibrate_fp8=calibrate_fp8)
         self.kv_cache, self.device = kv_cache, kv_cache.device
         self.block_size = kv_cache.key_caches[0].shape[1]
+        self.pass_times: list[tuple[int, int, float]] = []  # last propose: (seqs, tokens, s)
         # seq id -> tokens whose draft K/V are in the draft cache (a prefix of the sequence)
         self._computed: dict[int, int] = {}
 
@@ -122,7 +130,8 @@ class DraftModelProposer:
         if not requests:
             return [], []
         tables = batch.block_tables
-        bs, dev = self.block_size, self.device
+        bs = self.block_size
+        self.pass_times = []
         drafts: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
         # Pass 1 catches each cache up and drafts one token; pass j > 1 feeds draft j - 1.
@@ -154,8 +163,9 @@ class DraftModelProposer:
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32), cu_seqlens_q=cu,
                 max_q_len=max(q_lens), logits_indices=(cu[1:] - 1).long(),
                 block_ops=BlockOps(_NO_MOVES, _NO_MOVES, _NO_MOVES))
+            start = time.perf_counter()
             logits = self.runner.execute(step)
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = logits.argmax(dim=-1).tolist()     # waits for the device
             sampled = [a for a, i in enumerate(active) if requests[i].row.temperature > 0]
             if sampled:
                 dist = draft_distribution(logits[sampled],
@@ -166,6 +176,7 @@ class DraftModelProposer:
                     probs[active[a]].append(dist[b])
             for a, i in enumerate(active):
                 drafts[i].append(tokens[a])
+            self.pass_times.append((len(active), len(input_ids), time.perf_counter() - start))
         for r in requests:    # K/V written: up to the last token, then drafts 1 .. k-1
             self._computed[r.seq_id] = len(r.token_ids) + r.k - 1
         return drafts, [torch.stack(p) if p else None for p in probs]
