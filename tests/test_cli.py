@@ -30,6 +30,15 @@ def test_generate_prints_the_greedy_completion(tmp_path, capsys):
     assert "12 tokens in" in captured.err and "tokens/s" in captured.err
 
 
+def test_generate_with_speculation_prints_the_metrics(tmp_path, capsys):
+    path = make_checkpoint(tmp_path / "m", "llama")
+    assert main(["generate", "--model", str(path), "--prompt", "def f(x):", "--max-tokens", "16",
+                 "--ignore-eos", "--device", "cpu", "--speculative-model", "ngram",
+                 "--fixed-k"]) == 0
+    err = capsys.readouterr().err
+    assert "speculative:" in err and "acceptance rate" in err and "mean acceptance length" in err
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "/nonexistent", "--prompt", "x"], "not a checkpoint directory"),
     (["--prompt", "x", "--max-tokens", "0"], "max_tokens must be"),

@@ -46,6 +46,11 @@ def _generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--speculative-model", default=None,
+                   help="draft checkpoint (or shipped name, e.g. pagedspec-demo-draft), or ngram")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--fixed-k", action="store_true",
+                   help="draft num-speculative-tokens every step (no adaptive controller)")
     return p
 
 
@@ -57,7 +62,10 @@ def generate(argv: Sequence[str]) -> int:
     try:
         llm = LLM(args.model, dtype=args.dtype, device=args.device,
                   kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
-                  max_model_len=args.max_model_len, max_num_seqs=max(8, len(args.prompt)))
+                  max_model_len=args.max_model_len, max_num_seqs=max(8, len(args.prompt)),
+                  speculative_model=args.speculative_model,
+                  num_speculative_tokens=args.num_speculative_tokens,
+                  speculative_adaptive=not args.fixed_k)
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
                                 n=args.n, stop=args.stop, ignore_eos=args.ignore_eos)
@@ -75,6 +83,15 @@ def generate(argv: Sequence[str]) -> int:
     print(f"pagedspec generate: {num_tokens} tokens in {seconds:.2f} s, "
           f"{num_tokens / seconds:.1f} tokens/s ({llm.device}, {llm.dtype}, "
           f"{llm.checkpoint.path.name})", file=sys.stderr)
+    metrics = llm.speculative_metrics()
+    if metrics is not None:
+        per_pos = ", ".join(f"{a:.2f}" for a in metrics["acceptance_rate_per_position"])
+        print(f"speculative: {metrics['num_drafts']} drafts, {metrics['num_draft_tokens']} draft "
+              f"tokens, {metrics['num_accepted_tokens']} accepted (acceptance rate "
+              f"{metrics['acceptance_rate']:.1%}, per position {per_pos}; mean acceptance length "
+              f"{metrics['mean_acceptance_length']:.2f}); per step: draft "
+              f"{metrics['draft_seconds_per_step'] * 1e3:.2f} ms, target "
+              f"{metrics['target_seconds_per_step'] * 1e3:.2f} ms", file=sys.stderr)
     return 0
 
 

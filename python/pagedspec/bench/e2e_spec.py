@@ -42,10 +42,11 @@ class SpecReport:
     setup: dict
     rows: list[dict] = field(default_factory=list)
     peer: list[dict] = field(default_factory=list)   # transformers at batch 1
+    samples: list[dict] = field(default_factory=list)  # greedy completions (plain, batch 1)
 
     def json_fields(self) -> dict:
         return {"e2e_speculative": self.rows, "e2e_speculative_peer": self.peer,
-                "e2e_speculative_setup": self.setup}
+                "e2e_speculative_setup": self.setup, "e2e_speculative_samples": self.samples}
 
 
 def held_out_prompts(model_dir: Path, tokenizer, count: int = 8) -> list[list[int]]:
@@ -159,6 +160,10 @@ def run(device: torch.device, target: Path, draft: Path, *, quick: bool = False)
                 if spec is None:
                     plain_s, plain_tokens = seconds, tokens
                     t_plain = seconds / max_tokens          # one step per token
+                    if batch == 1 and base.tokenizer is not None:
+                        report.samples = [{"prompt": base.tokenizer.decode(p)[-200:],
+                                           "completion": base.tokenizer.decode(t)}
+                                          for p, t in zip(work, tokens)]
                 else:
                     m = llm.speculative_metrics()
                     row.update(speedup=plain_s / seconds, acceptance_rate=m["acceptance_rate"],
@@ -250,6 +255,10 @@ def markdown_table(report: SpecReport) -> str:
         lines += ["", "transformers at batch 1 (same prompts, same lengths, one at a time): " +
                   ", ".join(f"{r['config']} {r['output_tok_s']:,.1f} tok/s"
                             for r in report.peer)]
+    for sample in report.samples[:1]:
+        lines += ["", "A greedy completion (plain decoding, batch 1; the prompt's end, then the "
+                  "completion after `<<<`):", "", "```python",
+                  sample["prompt"] + "<<<" + sample["completion"], "```"]
     return "\n".join(lines)
 
 

@@ -5,7 +5,9 @@ achieved bandwidth and its ratio to a device-to-device copy measured in the same
 speedup over the pure-PyTorch reference; it prints a table and writes results.json,
 results.md and results.png into the output folder. Then the end-to-end section
 (:mod:`pagedspec.bench.e2e`, ``--op e2e`` alone, ``--no-e2e`` skips it) adds an "e2e" list to
-results.json, an "End to end" table to results.md, and e2e.png.
+results.json, an "End to end" table to results.md, and e2e.png; when a draft model is known (the
+shipped demo pair, or ``--draft-model``) the speculative section (:mod:`pagedspec.bench.e2e_spec`)
+follows, as "e2e_speculative" and its own table.
 """
 from __future__ import annotations
 
@@ -145,7 +147,7 @@ def default_out_dir(device: torch.device) -> Path:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from pagedspec.bench import e2e   # imports this module: not at the top
+    from pagedspec.bench import e2e, e2e_spec   # they import this module: not at the top
 
     parser = argparse.ArgumentParser(prog="pagedspec-bench", description=__doc__.splitlines()[0])
     parser.add_argument("--op", action="append", default=[],
@@ -162,6 +164,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the selected cases and exit")
     parser.add_argument("--no-e2e", action="store_true", help="skip the end-to-end section")
     e2e.add_arguments(parser)
+    parser.add_argument("--draft-model", default=None,
+                        help="draft checkpoint for the speculative end-to-end section (default: "
+                             f"{e2e_spec.DEMO_DRAFT} when the target is the demo model)")
     args = parser.parse_args(argv)
 
     device = resolve_device(args.device)
@@ -202,6 +207,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         tables.append(markdown_table(rows, copy_bw, info))
     report = (e2e.run(device, model=args.model, quick=args.quick, vllm=args.vllm_results)
               if with_e2e else None)
+    pair = e2e_spec.resolve_pair(args.model, args.draft_model) if with_e2e else None
+    spec_report = e2e_spec.run(device, *pair, quick=args.quick) if pair is not None else None
 
     out_dir = args.out or default_out_dir(device)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -211,11 +218,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         tables.append(e2e.markdown_table(report))
         if e2e.plot(report, out_dir / "e2e.png", f"pagedspec end to end on {info.get('name')}"):
             written.append("e2e.png")
+    if spec_report is not None:
+        tables.append(e2e_spec.markdown_table(spec_report))
     table = "\n\n".join(tables)
     (out_dir / "results.md").write_text(table + "\n")
     (out_dir / "results.json").write_text(json.dumps(
         {"device": info, "copy_bandwidth_bytes_per_s": copy_bw, "results": rows,
-         **(report.json_fields() if report is not None else {})}, indent=2))
+         **(report.json_fields() if report is not None else {}),
+         **(spec_report.json_fields() if spec_report is not None else {})}, indent=2))
     print()
     print(table)
     print(f"\nwrote {out_dir}/" + ", ".join(written))
