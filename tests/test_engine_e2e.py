@@ -18,14 +18,7 @@ from pagedspec.models import load_checkpoint
 VOCAB = BASE["vocab_size"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The matrices are tiny: intra-op threads only add synchronization, which on a loaded
-    # machine costs ~100x the work itself (16 ms vs 80 us per projection here).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

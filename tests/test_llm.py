@@ -24,12 +24,7 @@ PROMPTS = ["def fibonacci(n):", "import os, sys", "class Stack:\n    def push(se
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

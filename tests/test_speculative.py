@@ -30,12 +30,7 @@ PROMPTS = ["def fibonacci(n):", "import os, sys", "class Stack:\n    def push(se
 TIE = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -388,5 +383,8 @@ def test_vocabulary_mismatch_is_refused(models, tmp_path):
     other = make_checkpoint(tmp_path / "v400", "llama", vocab_size=400)
     with pytest.raises(ValueError, match="vocabulary of 400 tokens, the target 320"):
         make_llm({**models, "other": other}, "other")
+    short = make_checkpoint(tmp_path / "short", "llama", max_position_embeddings=64)
+    with pytest.raises(ValueError, match="covers 64 positions, fewer than max_model_len"):
+        make_llm({**models, "short": short}, "short")
     with pytest.raises(ValueError, match="num_speculative_tokens must be"):
         make_llm(models, "ngram", num_speculative_tokens=0)

@@ -394,6 +394,10 @@ class LLM:
             raise ValueError(f"LLM: the speculative model {draft.path} has a vocabulary of "
                              f"{draft_vocab} tokens, the target {target_vocab}; a draft must "
                              "share the target's tokenizer")
+        if draft.config.max_position < self.max_model_len:
+            raise ValueError(f"LLM: the speculative model {draft.path} covers "
+                             f"{draft.config.max_position} positions, fewer than max_model_len "
+                             f"({self.max_model_len}); lower max_model_len")
         if self.tokenizer is not None and draft.tokenizer_path is not None:
             if draft.load_tokenizer().get_vocab() != self.tokenizer.get_vocab():
                 raise ValueError(f"LLM: the tokenizer of the speculative model {draft.path} "
