@@ -569,6 +569,11 @@ class LLM:
         if spec.ngram is not None:        # index new tokens outside the timed proposal
             for seq in decoding:
                 spec.ngram.update(seq.seq_id, seq.token_ids)
+        limit = spec.controller.draft_limit
+        if k and limit is not None and limit < len(decoding):
+            first = spec.controller.steps * limit % len(decoding)     # rotate who learns
+            chosen = set(range(first, first + limit)) | set(range(first + limit - len(decoding)))
+            room = [r if i in chosen else 0 for i, r in enumerate(room)]
         if k:
             start = time.perf_counter()
             for seq, r in zip(decoding, room):

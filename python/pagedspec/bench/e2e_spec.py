@@ -15,6 +15,8 @@ acceptance length, and the speedup the measured costs predict for a fixed k,
 ``E(k) * t_plain / (k * t_draft + t_verify(k))`` with ``E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j``
 from the run's per-position acceptance. At batch 1, ``transformers``' ``generate`` and its
 assisted generation (``assistant_model=``, the same draft) run on the same prompts as the peer.
+Every engine first runs the workload once at half length, untimed: the timed run shows the
+adaptive controller's steady state (what a long-running server sees), not its warm-up.
 """
 from __future__ import annotations
 
@@ -150,7 +152,9 @@ def run(device: torch.device, target: Path, draft: Path, *, quick: bool = False)
                 llm = base if spec is None else LLM(
                     str(target), speculative_model=str(spec) if spec != "ngram" else "ngram",
                     num_speculative_tokens=k, speculative_adaptive=adaptive, **common)
-                _generate(llm, work[:1], 8, device)                          # warm up
+                # Warm up on the workload itself (half length): the timed run then shows the
+                # controller's steady state, as in a long-running server, not its first steps.
+                _generate(llm, work, max_tokens // 2, device)
                 if llm.speculation is not None:                # count the timed run only
                     llm.speculation.stats = SpecStats()
                     first_step = len(llm.speculation.controller.history)

@@ -14,12 +14,14 @@ tokens verified (it is not free once the batch is compute-bound), and acceptance
 position and request.
 
 Measurements. ``t`` and ``d`` are kept as moving averages in buckets of powers of two of their
-argument and interpolated linearly between measured buckets; outside them ``t`` is extrapolated
-proportionally to the tokens (pessimistic for speculation, so an unmeasured large k is never
-chosen on hope). Every ``explore_every`` steps one step uses a neighbour of the best k (best + 1
+argument and interpolated linearly between measured buckets; above them ``t`` is extrapolated along the slope
+of the last two (proportionally to the tokens while only one is known: pessimistic for
+speculation, so a large k is not chosen on hope). Every ``explore_every`` steps one step uses a neighbour of the best k (best + 1
 when speculation is off), so costs and acceptance stay measured near the choice at the price of
-one slightly worse step; the first steps draft ``max_k`` to learn the acceptance, then one plain
-step measures the cost without drafts.
+one slightly worse step; the first two steps draft up to 4 tokens to learn the acceptance, then
+one plain step measures the cost without drafts. Learning steps draft for a quarter of the
+batch only: at a large batch, where speculation rarely pays, they stay cheap (a draft model
+must also catch its cache up on every token it skipped).
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ from typing import Optional, Sequence
 
 class CostCurve:
     """Seconds as a function of a size, from measurements: a moving average per power-of-two
-    bucket, linear interpolation between buckets, proportional extrapolation above, constant
-    below."""
+    bucket, linear interpolation between buckets, linear extrapolation above (the slope of the
+    last two buckets; proportional to the size while only one is measured), constant below."""
 
     def __init__(self, decay: float = 0.8):
         self.decay = decay
@@ -58,7 +60,11 @@ class CostCurve:
             if size <= x1:
                 return y0 + (y1 - y0) * (size - x0) / max(x1 - x0, 1e-9)
         x, y = points[-1]
-        return y * size / max(x, 1e-9)
+        if len(points) == 1:
+            return y * size / max(x, 1e-9)
+        (x0, y0) = points[-2]
+        slope = max((y - y0) / max(x - x0, 1e-9), 0.0)
+        return y + slope * (size - x)
 
 
 @dataclass
@@ -99,7 +105,7 @@ class SpecStats:
 class SpeculationController:
     """Picks k per step. ``adaptive=False`` always drafts ``max_k`` (a fixed k)."""
 
-    def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 4,
+    def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 3,
                  explore_every: int = 8, decay: float = 0.9, prior: float = 0.5):
         if max_k < 1:
             raise ValueError(f"SpeculationController: max_k must be >= 1, got {max_k}")
@@ -113,6 +119,7 @@ class SpeculationController:
         self.draft_cost = CostCurve()           # seconds per draft pass, by sequences
         self.steps = 0
         self.history: list[int] = []            # the k chosen at each step
+        self.draft_limit: Optional[int] = None  # requests that draft this step (None: all)
 
     # ---- what was measured ------------------------------------------------------------------
     def observe_target(self, num_tokens: int, seconds: float) -> None:
@@ -169,21 +176,27 @@ class SpeculationController:
     def choose(self, request_keys: Sequence[int], room: Sequence[int],
                other_tokens: int) -> int:
         """k for this step, given the decoding requests (``room``: drafts each may still take
-        before its length limit) and the step's other (prefill) tokens."""
+        before its length limit) and the step's other (prefill) tokens. After the call,
+        ``draft_limit`` is how many of the requests draft (None: all): learning steps (warm-up,
+        exploration) draft for a quarter of the batch only, so what they cost stays small."""
+        self.draft_limit = None
         if not request_keys:
             return 0
         self.steps += 1
+        B = len(request_keys)
         if not self.adaptive:
             k = self.max_k
         elif self.steps <= self.warmup_steps:
             # Learn the acceptance and the speculative costs, then the plain step's cost.
-            k = self.max_k if self.steps < self.warmup_steps else 0
+            k = min(self.max_k, 4) if self.steps < self.warmup_steps else 0
+            self.draft_limit = -(-B // 4)
         else:
             rates = [(self.predicted_rate(k, request_keys, room, other_tokens) or 0.0, -k)
                      for k in range(self.max_k + 1)]
             k = -max(rates)[1]
             if self.steps % self.explore_every == 0:
-                k = self._explore(k, len(request_keys), other_tokens)
+                k = self._explore(k, B, other_tokens)
+                self.draft_limit = -(-B // 4)
         self.history.append(k)
         return k
 
