@@ -3,8 +3,9 @@
 The model. A decoding sequence r that drafts k tokens emits ``E_r(k) = 1 + sum_{i<=k}
 prod_{j<=i} a_r(j)`` tokens in expectation, where ``a_r(j)`` is the probability that draft j is
 accepted given drafts 1..j-1 were: a moving average per draft position over all requests, scaled
-by the request's own moving acceptance relative to the global one (a request whose drafts keep
-failing drafts less); a position seldom reached borrows the estimate of the one before it. A step with ``B`` decoding sequences drafting ``k`` each and ``P`` other
+by the request's own acceptance relative to the global one (shrunk towards it by a few
+pseudo-observations, so a request whose drafts keep failing drafts less, but one unlucky step
+does not condemn it); a position seldom reached borrows the estimate of the one before it. A step with ``B`` decoding sequences drafting ``k`` each and ``P`` other
 tokens (prefill chunks) costs ``k * d(B) + t(P + B (k + 1))``: ``d`` the draft pass cost by batch
 size, ``t`` the target step cost by tokens in the step, both measured on this machine as the run
 goes. The controller picks the k in ``0..max_k`` that maximizes ``sum_r E_r(k) / cost(k)``
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
+
+import numpy as np
 
 
 class CostCurve:
@@ -105,6 +108,8 @@ class SpecStats:
 class SpeculationController:
     """Picks k per step. ``adaptive=False`` always drafts ``max_k`` (a fixed k)."""
 
+    REQUEST_PRIOR = 8.0   # pseudo-drafts at the global rate behind each request's estimate
+
     def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 3,
                  explore_every: int = 8, decay: float = 0.9, prior: float = 0.5):
         if max_k < 1:
@@ -114,7 +119,7 @@ class SpeculationController:
         self.accept = [prior] * max_k           # P(draft j accepted | drafts < j accepted)
         self.accept_seen = [0] * max_k          # observations behind each estimate
         self.global_rate = prior                # moving per-draft acceptance over requests
-        self._request_rate: dict[int, float] = {}
+        self._request_counts: dict[int, tuple[int, int]] = {}   # key -> (accepted, drafted)
         self.target_cost = CostCurve()          # seconds per target step, by tokens
         self.draft_cost = CostCurve()           # seconds per draft pass, by sequences
         self.steps = 0
@@ -137,41 +142,52 @@ class SpeculationController:
             self.accept_seen[j] += 1
         rate = accepted / k
         self.global_rate = d * self.global_rate + (1 - d) * rate
-        prev = self._request_rate.get(request_key, self.global_rate)
-        self._request_rate[request_key] = 0.5 * prev + 0.5 * rate
+        acc, drafted = self._request_counts.get(request_key, (0, 0))
+        self._request_counts[request_key] = (acc + accepted, drafted + k)
 
     def forget(self, request_key: int) -> None:
-        self._request_rate.pop(request_key, None)
+        self._request_counts.pop(request_key, None)
 
     # ---- the choice -----------------------------------------------------------------------
-    def expected_tokens(self, request_key: int, k: int) -> float:
-        """``E_r(k)``: tokens a request emits in expectation when it drafts k."""
-        scale = 1.0
-        if request_key in self._request_rate and self.global_rate > 0:
-            scale = min(self._request_rate[request_key] / self.global_rate, 1.5)
-        total, p, a = 1.0, 1.0, self.accept[0]
-        for j in range(k):
-            # A position seldom reached (k was smaller) borrows the estimate before it.
-            if self.accept_seen[j] >= 3 or j == 0:
-                a = self.accept[j]
-            p *= min(a * scale, 1.0)
-            total += p
-        return total
+    def _request_scale(self, request_key: int) -> float:
+        """The request's acceptance over the global one, shrunk towards 1 by
+        ``REQUEST_PRIOR`` pseudo-drafts at the global rate (a request is not judged on one
+        unlucky step, and keeps its estimate while it does not draft)."""
+        acc, drafted = self._request_counts.get(request_key, (0, 0))
+        if self.global_rate <= 0:
+            return 1.0
+        m = self.REQUEST_PRIOR
+        rate = (acc + m * self.global_rate) / (drafted + m)
+        return min(rate / self.global_rate, 1.5)
 
-    def predicted_rate(self, k: int, request_keys: Sequence[int], room: Sequence[int],
-                       other_tokens: int) -> Optional[float]:
-        """Expected tokens per second of a step drafting ``min(k, room_r)`` per request."""
-        ks = [min(k, r) for r in room]
-        tokens = other_tokens + sum(1 + kr for kr in ks)
-        t = self.target_cost(tokens)
-        if t is None:
-            return None
-        passes = max(ks, default=0)
-        d = self.draft_cost(len(request_keys)) if passes else 0.0
-        if d is None:
-            return None
-        emitted = sum(self.expected_tokens(key, kr) for key, kr in zip(request_keys, ks))
-        return emitted / (t + passes * d)
+    def expected_tokens(self, request_keys: Sequence[int], room: Sequence[int]) -> np.ndarray:
+        """``E[k] = sum_r E_r(min(k, room_r))`` for k = 0..max_k: the tokens the step emits in
+        expectation when every request drafts up to k."""
+        # A position seldom reached (k was smaller) borrows the estimate before it.
+        a = np.array(self.accept)
+        seen = np.array(self.accept_seen) >= 3
+        seen[0] = True
+        a = a[np.maximum.accumulate(np.where(seen, np.arange(self.max_k), 0))]
+        scales = np.array([self._request_scale(key) for key in request_keys])
+        p = np.cumprod(np.minimum(scales[:, None] * a[None, :], 1.0), axis=1)   # [B, K]
+        per_request = np.concatenate([np.ones((len(scales), 1)), 1.0 + np.cumsum(p, axis=1)],
+                                     axis=1)                                  # [B, K + 1]
+        ks = np.minimum(np.arange(self.max_k + 1)[None, :], np.asarray(room)[:, None])
+        return np.take_along_axis(per_request, np.maximum(ks, 0), axis=1).sum(axis=0)
+
+    def predicted_rates(self, request_keys: Sequence[int], room: Sequence[int],
+                        other_tokens: int) -> list[Optional[float]]:
+        """Expected tokens per second of a step drafting up to k, for k = 0..max_k."""
+        emitted = self.expected_tokens(request_keys, room)
+        room = np.maximum(np.asarray(room), 0)
+        rates: list[Optional[float]] = []
+        for k in range(self.max_k + 1):
+            ks = np.minimum(room, k)
+            t = self.target_cost(other_tokens + len(ks) + int(ks.sum()))
+            passes = int(ks.max()) if len(ks) else 0
+            d = self.draft_cost(len(request_keys)) if passes else 0.0
+            rates.append(None if t is None or d is None else emitted[k] / (t + passes * d))
+        return rates
 
     def choose(self, request_keys: Sequence[int], room: Sequence[int],
                other_tokens: int) -> int:
@@ -191,9 +207,8 @@ class SpeculationController:
             k = min(self.max_k, 4) if self.steps < self.warmup_steps else 0
             self.draft_limit = -(-B // 4)
         else:
-            rates = [(self.predicted_rate(k, request_keys, room, other_tokens) or 0.0, -k)
-                     for k in range(self.max_k + 1)]
-            k = -max(rates)[1]
+            rates = self.predicted_rates(request_keys, room, other_tokens)
+            k = -max((r or 0.0, -k) for k, r in enumerate(rates))[1]
             if self.steps % self.explore_every == 0:
                 k = self._explore(k, B, other_tokens)
                 self.draft_limit = -(-B // 4)
