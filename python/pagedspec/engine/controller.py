@@ -40,8 +40,10 @@ class CostCurve:
     def __init__(self, decay: float = 0.8):
         self.decay = decay
         self._buckets: dict[int, list[float]] = {}   # bucket -> [mean size, mean seconds]
+        self._points: Optional[list[tuple[float, float]]] = None   # sorted, until observe
 
     def observe(self, size: int, seconds: float) -> None:
+        self._points = None
         b = max(int(size), 1).bit_length()
         if b not in self._buckets:
             self._buckets[b] = [float(size), seconds]
@@ -56,7 +58,9 @@ class CostCurve:
     def __call__(self, size: int) -> Optional[float]:
         if not self._buckets:
             return None
-        points = sorted(self._buckets.values())
+        if self._points is None:
+            self._points = sorted((x, y) for x, y in self._buckets.values())
+        points = self._points
         if size <= points[0][0]:
             return points[0][1]
         for (x0, y0), (x1, y1) in zip(points, points[1:]):
