@@ -37,6 +37,7 @@ figures (``{"batch1_tok_s": .., "batch32_tok_s": ..}``, output tokens/s) as extr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -86,6 +87,15 @@ class Workload:
     def prompts(self, vocab_size: int) -> list[list[int]]:
         rng = random.Random(self.seed)
         return [[rng.randrange(vocab_size) for _ in range(n)] for n in self.prompt_lens]
+
+    def fitted(self, max_model_len: int) -> Workload:
+        """The same workload with prompts cut so prompt + output fits ``max_model_len`` (the
+        1024-token prefill prompts on a model with a 1024-token context)."""
+        lens = [min(p, max_model_len - o) for p, o in zip(self.prompt_lens, self.output_lens)]
+        if lens == self.prompt_lens:
+            return self
+        return dataclasses.replace(self, prompt_lens=lens, description=self.description.replace(
+            f"{self.prompt_lens[0]}-token", f"{lens[0]}-token"))
 
     def profiled(self) -> Optional[Workload]:
         """The profiled rerun: the same prompt lengths, fresh prompts (no prefix-cache hits),
@@ -324,10 +334,13 @@ def run(device: torch.device, *, model: Optional[str] = None, quick: bool = Fals
 
     transformers.utils.logging.disable_progress_bar()   # the per-workload lines are the output
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    timed = workloads(quick)
-    num_blocks = max(sum(-(-(p + o) // BLOCK_SIZE) for p, o in zip(w.prompt_lens, w.output_lens))
-                     for w in [*timed, *filter(None, (t.profiled() for t in timed))])
     with checkpoint_dir(model, quick) as (path, name):
+        max_len = json.loads((path / "config.json").read_text()).get(
+            "max_position_embeddings", 2048)
+        timed = [w.fitted(max_len) for w in workloads(quick)]
+        num_blocks = max(sum(-(-(p + o) // BLOCK_SIZE)
+                             for p, o in zip(w.prompt_lens, w.output_lens))
+                         for w in [*timed, *filter(None, (t.profiled() for t in timed))])
         print(f"e2e: loading {name} ({path}) in {str(dtype).removeprefix('torch.')} on {device}")
         llm = LLM(str(path), dtype=dtype, device=str(device), max_num_seqs=MAX_NUM_SEQS,
                   num_kv_blocks=num_blocks + MAX_NUM_SEQS,   # a spare block per sequence slot

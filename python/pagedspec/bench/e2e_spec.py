@@ -15,13 +15,16 @@ acceptance length, and the speedup the measured costs predict for a fixed k,
 ``E(k) * t_plain / (k * t_draft + t_verify(k))`` with ``E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j``
 from the run's per-position acceptance. At batch 1, ``transformers``' ``generate`` and its
 assisted generation (``assistant_model=``, the same draft) run on the same prompts as the peer.
-Every engine first runs the workload once at half length, untimed: the timed run shows the
-adaptive controller's steady state (what a long-running server sees), not its warm-up.
+Every engine first runs the workload once at half length, untimed: the timed runs show the
+adaptive controller's steady state (what a long-running server sees), not its warm-up. Each
+speculative configuration is timed 3 times, alternating with plain runs; its speedup is the ratio
+of the two medians (the machine's drift between configurations cancels).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sysconfig
 import tempfile
 import time
@@ -36,6 +39,7 @@ from pagedspec.engine.controller import SpecStats
 
 DEMO_TARGET, DEMO_DRAFT = "pagedspec-demo", "pagedspec-demo-draft"
 BATCHES = (1, 8, 64)
+REPEATS = 3                  # timed runs per configuration, alternating with plain runs
 MAX_PROMPT_TOKENS = 192
 
 
@@ -145,42 +149,52 @@ def run(device: torch.device, target: Path, draft: Path, *, quick: bool = False)
                     ("misaligned adaptive", misaligned, 8, True)]
         for batch in batches:
             work = [prompts[i % len(prompts)] for i in range(batch)]
-            plain_s, plain_tokens, t_plain = None, None, None
+            _generate(base, work, max_tokens // 2, device)                    # warm up
+            plain_tokens: list[list[int]] = []
             for name, spec, k, adaptive in configs:
                 if batch == max(BATCHES) and name.startswith("draft k=") and k not in (1, 2, 4, 8):
                     continue
-                llm = base if spec is None else LLM(
-                    str(target), speculative_model=str(spec) if spec != "ngram" else "ngram",
-                    num_speculative_tokens=k, speculative_adaptive=adaptive, **common)
-                # Warm up on the workload itself (half length): the timed run then shows the
-                # controller's steady state, as in a long-running server, not its first steps.
-                _generate(llm, work, max_tokens // 2, device)
-                if llm.speculation is not None:                # count the timed run only
-                    llm.speculation.stats = SpecStats()
-                    first_step = len(llm.speculation.controller.history)
-                seconds, tokens = _generate(llm, work, max_tokens, device)
-                row = {"batch": batch, "config": name, "k": k, "adaptive": adaptive,
-                       "seconds": seconds, "output_tok_s": batch * max_tokens / seconds}
                 if spec is None:
-                    plain_s, plain_tokens = seconds, tokens
-                    t_plain = seconds / max_tokens          # one step per token
+                    seconds, plain_tokens = _generate(base, work, max_tokens, device)
+                    t_plain = seconds / max_tokens                 # one step per token
+                    row = {"batch": batch, "config": name, "k": 0, "adaptive": False,
+                           "seconds": seconds, "output_tok_s": batch * max_tokens / seconds}
                     if batch == 1 and base.tokenizer is not None:
                         report.samples = [{"prompt": base.tokenizer.decode(p)[-200:],
                                            "completion": base.tokenizer.decode(t)}
-                                          for p, t in zip(work, tokens)]
-                else:
-                    m = llm.speculative_metrics()
-                    row.update(speedup=plain_s / seconds, acceptance_rate=m["acceptance_rate"],
-                               mean_acceptance_length=m["mean_acceptance_length"],
-                               mean_k=_mean(llm.speculation.controller.history[first_step:]),
-                               agree=sum(a == b for a, b in zip(tokens, plain_tokens)) / batch,
-                               draft_s_per_step=m["draft_seconds_per_step"],
-                               target_s_per_step=m["target_seconds_per_step"])
-                    if not adaptive and m["num_steps"]:
-                        passes = 1 if spec == "ngram" else k
-                        row["predicted_speedup"] = predicted_speedup(
-                            k, m["acceptance_rate_per_position"], t_plain,
-                            m["draft_seconds_per_step"] / passes, m["target_seconds_per_step"])
+                                          for p, t in zip(work, plain_tokens)]
+                    report.rows.append(row)
+                    print(progress_line(row), flush=True)
+                    continue
+                llm = LLM(str(target), speculative_model=str(spec) if spec != "ngram" else "ngram",
+                          num_speculative_tokens=k, speculative_adaptive=adaptive, **common)
+                # Warm up on the workload itself (half length): the timed runs then show the
+                # controller's steady state, as in a long-running server, not its first steps.
+                _generate(llm, work, max_tokens // 2, device)
+                llm.speculation.stats = SpecStats()                  # count the timed runs only
+                first_step = len(llm.speculation.controller.history)
+                # Alternate plain and speculative runs; the medians' ratio is the speedup.
+                plain_times, spec_times = [], []
+                for _ in range(REPEATS):
+                    plain_times.append(_generate(base, work, max_tokens, device)[0])
+                    seconds, tokens = _generate(llm, work, max_tokens, device)
+                    spec_times.append(seconds)
+                seconds, t_plain = statistics.median(spec_times), statistics.median(plain_times)
+                m = llm.speculative_metrics()
+                row = {"batch": batch, "config": name, "k": k, "adaptive": adaptive,
+                       "seconds": seconds, "output_tok_s": batch * max_tokens / seconds,
+                       "plain_seconds": t_plain, "speedup": t_plain / seconds,
+                       "acceptance_rate": m["acceptance_rate"],
+                       "mean_acceptance_length": m["mean_acceptance_length"],
+                       "mean_k": _mean(llm.speculation.controller.history[first_step:]),
+                       "agree": sum(a == b for a, b in zip(tokens, plain_tokens)) / batch,
+                       "draft_s_per_step": m["draft_seconds_per_step"],
+                       "target_s_per_step": m["target_seconds_per_step"]}
+                if not adaptive and m["num_steps"]:
+                    passes = 1 if spec == "ngram" else k
+                    row["predicted_speedup"] = predicted_speedup(
+                        k, m["acceptance_rate_per_position"], t_plain / max_tokens,
+                        m["draft_seconds_per_step"] / passes, m["target_seconds_per_step"])
                 report.rows.append(row)
                 print(progress_line(row), flush=True)
         if 1 in batches:

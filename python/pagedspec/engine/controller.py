@@ -115,7 +115,8 @@ class SpeculationController:
     REQUEST_PRIOR = 8.0   # pseudo-drafts at the global rate behind each request's estimate
 
     def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 3,
-                 explore_every: int = 8, decay: float = 0.9, prior: float = 0.5):
+                 explore_every: int = 8, decay: float = 0.9, prior: float = 0.5,
+                 decide_every: int = 4):
         if max_k < 1:
             raise ValueError(f"SpeculationController: max_k must be >= 1, got {max_k}")
         self.max_k, self.adaptive = max_k, adaptive
@@ -129,6 +130,10 @@ class SpeculationController:
         self.steps = 0
         self.history: list[int] = []            # the k chosen at each step
         self.draft_limit: Optional[int] = None  # requests that draft this step (None: all)
+        # The choice is re-derived every `decide_every` steps or when the batch size changes:
+        # the estimates move slowly, and deciding costs ~0.1 ms (a few % of a small step).
+        self.decide_every = decide_every
+        self._decided: Optional[tuple[int, int, int]] = None    # (batch size, step, k)
 
     # ---- what was measured ------------------------------------------------------------------
     def observe_target(self, num_tokens: int, seconds: float) -> None:
@@ -211,8 +216,13 @@ class SpeculationController:
             k = min(self.max_k, 4) if self.steps < self.warmup_steps else 0
             self.draft_limit = -(-B // 4)
         else:
-            rates = self.predicted_rates(request_keys, room, other_tokens)
-            k = -max((r or 0.0, -k) for k, r in enumerate(rates))[1]
+            if (self._decided is not None and self._decided[0] == B
+                    and self.steps - self._decided[1] < self.decide_every):
+                k = self._decided[2]          # same batch size, recent decision: keep it
+            else:
+                rates = self.predicted_rates(request_keys, room, other_tokens)
+                k = -max((r or 0.0, -k) for k, r in enumerate(rates))[1]
+                self._decided = (B, self.steps, k)
             if self.steps % self.explore_every == 0:
                 k = self._explore(k, B, other_tokens)
                 self.draft_limit = -(-B // 4)
