@@ -611,12 +611,17 @@ class LLM:
             ids[first:first + r.k] = torch.tensor(tokens, dtype=ids.dtype, device=ids.device)
             batch.seqs[r.batch_index].draft_token_ids = tokens
             draft_probs[r.batch_index] = p
-        spec.stats.draft_seconds += self._synchronized(start)
-        # The controller learns the cost of a drafting pass (one token per sequence): the first
-        # pass also catches the draft cache up, which costs more the first time (the prompt).
-        for num_seqs, num_tokens, seconds in spec.draft.pass_times:
+        total = self._synchronized(start)
+        spec.stats.draft_seconds += total
+        self._step_draft_seconds = total
+        # The controller learns the cost of a drafting pass (one token per sequence), with the
+        # Python bookkeeping around the passes spread over them; the first pass also catches
+        # the draft cache up, which costs more the first time (the prompt): it is left out then.
+        passes = spec.draft.pass_times
+        extra = (total - sum(t for _, _, t in passes)) / len(passes)
+        for num_seqs, num_tokens, seconds in passes:
             if num_tokens <= 2 * num_seqs:
-                spec.controller.observe_draft(num_seqs, 1, seconds)
+                spec.controller.observe_draft(num_seqs, 1, seconds + extra)
         return draft_probs
 
     def _synchronized(self, start: float) -> float:
@@ -627,6 +632,8 @@ class LLM:
     def _step(self) -> list[_Request]:
         """One scheduler step; returns the requests it finished."""
         spec = self.speculation
+        step_start = time.perf_counter()
+        self._step_draft_seconds = 0.0
         self._plan_drafts()
         batch = self.scheduler.schedule()
         draft_probs: list[Optional[torch.Tensor]] = [None] * len(batch.seqs)
@@ -635,10 +642,8 @@ class LLM:
             draft_probs = self._draft(batch)
         start = time.perf_counter()
         logits = self.runner.execute(batch)
-        target_seconds = self._synchronized(start)
         if spec is not None:
-            spec.controller.observe_target(batch.num_tokens, target_seconds)
-            spec.stats.target_seconds += target_seconds
+            spec.stats.target_seconds += self._synchronized(start)
             spec.stats.num_steps += 1
 
         # Logits rows per sequence: none (prefill chunk short of the prompt's end), or 1 + k.
@@ -696,6 +701,11 @@ class LLM:
                          batch.cu_seqlens_q, batch.max_q_len, batch.logits_indices,
                          batch.block_ops, batch.preempted)
         self.scheduler.update(step, sampled)
+        if spec is not None:
+            # What the controller weighs: the whole step but the drafting (scheduling,
+            # verification, sampling and bookkeeping included), by tokens in the step.
+            spec.controller.observe_target(batch.num_tokens, time.perf_counter() - step_start
+                                           - self._step_draft_seconds)
         now = time.monotonic()
         done = []
         for seq in seqs:
