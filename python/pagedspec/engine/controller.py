@@ -113,6 +113,10 @@ class SpeculationController:
     """Picks k per step. ``adaptive=False`` always drafts ``max_k`` (a fixed k)."""
 
     REQUEST_PRIOR = 8.0   # pseudo-drafts at the global rate behind each request's estimate
+    # A new k must promise this much more than the current one: switching costs what the model
+    # does not see (turning a draft model back on makes it catch up on every skipped token), and
+    # near break-even the estimates' noise would otherwise flip k back and forth.
+    HYSTERESIS = 1.05
 
     def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 3,
                  explore_every: int = 8, decay: float = 0.9, prior: float = 0.5,
@@ -220,8 +224,12 @@ class SpeculationController:
                     and self.steps - self._decided[1] < self.decide_every):
                 k = self._decided[2]          # same batch size, recent decision: keep it
             else:
-                rates = self.predicted_rates(request_keys, room, other_tokens)
-                k = -max((r or 0.0, -k) for k, r in enumerate(rates))[1]
+                rates = [r or 0.0 for r in self.predicted_rates(request_keys, room,
+                                                                  other_tokens)]
+                k = -max((r, -k) for k, r in enumerate(rates))[1]
+                if self._decided is not None and rates[k] < self.HYSTERESIS * rates[
+                        min(self._decided[2], self.max_k)]:
+                    k = self._decided[2]      # not clearly better: switching has a cost
                 self._decided = (B, self.steps, k)
             if self.steps % self.explore_every == 0:
                 k = self._explore(k, B, other_tokens)
