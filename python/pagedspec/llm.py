@@ -704,8 +704,14 @@ class LLM:
         if spec is not None:
             # What the controller weighs: the whole step but the drafting (scheduling,
             # verification, sampling and bookkeeping included), by tokens in the step.
-            spec.controller.observe_target(batch.num_tokens, time.perf_counter() - step_start
-                                           - self._step_draft_seconds)
+            elapsed = time.perf_counter() - step_start
+            spec.controller.observe_target(batch.num_tokens, elapsed - self._step_draft_seconds)
+            decode_only = batch.seqs and all(
+                batch.num_scheduled_tokens[i] == 1 + batch.num_draft_tokens[i]
+                for i in range(len(batch.seqs)))
+            if decode_only and len(verify) in (0, len(batch.seqs)):   # all drafted, or none
+                spec.controller.observe_goodput(len(batch.seqs), bool(verify),
+                                                sum(map(len, new_tokens.values())), elapsed)
         now = time.monotonic()
         done = []
         for seq in seqs:

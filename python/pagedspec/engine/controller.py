@@ -14,6 +14,11 @@ goes. The controller picks the k in ``0..max_k`` that maximizes ``sum_r E_r(k) /
 tokens verified (it is not free once the batch is compute-bound), and acceptance varies by
 position and request.
 
+A check against reality: the realized tokens per second of decode-only steps are kept per batch
+size (in powers of two), with and without drafts; where drafting steps have delivered less than
+plain ones, the controller does not draft (exploration still drafts now and then, so a change,
+such as acceptance improving, is seen).
+
 Measurements. ``t`` and ``d`` are kept as moving averages in buckets of powers of two of their
 argument and interpolated linearly between measured buckets; above them ``t`` is extrapolated along the slope
 of the last two (proportionally to the tokens while only one is known: pessimistic for
@@ -129,6 +134,10 @@ class SpeculationController:
         self.accept_seen = [0] * max_k          # observations behind each estimate
         self.global_rate = prior                # moving per-draft acceptance over requests
         self._request_counts: dict[int, tuple[int, int]] = {}   # key -> (accepted, drafted)
+        # Realized tokens/s of decode-only steps, by (batch size bucket, drafted or not): the
+        # model's check against reality (what it does not model, such as a draft catching up
+        # after a pause, shows here).
+        self._goodput: dict[tuple[int, bool], float] = {}
         self.target_cost = CostCurve()          # seconds per target step, by tokens
         self.draft_cost = CostCurve()           # seconds per draft pass, by sequences
         self.steps = 0
@@ -146,6 +155,14 @@ class SpeculationController:
     def observe_draft(self, num_seqs: int, num_passes: int, seconds: float) -> None:
         if num_passes:
             self.draft_cost.observe(num_seqs, seconds / num_passes)
+
+    def observe_goodput(self, num_seqs: int, drafted: bool, tokens: int, seconds: float) -> None:
+        """A decode-only step's result: ``tokens`` emitted by ``num_seqs`` sequences in
+        ``seconds`` (drafting included), with or without drafts."""
+        key = (max(num_seqs, 1).bit_length(), drafted)
+        rate = tokens / max(seconds, 1e-9)
+        old = self._goodput.get(key)
+        self._goodput[key] = rate if old is None else 0.8 * old + 0.2 * rate
 
     def observe_acceptance(self, request_key: int, k: int, accepted: int) -> None:
         d = self.decay
@@ -230,6 +247,12 @@ class SpeculationController:
                 if self._decided is not None and rates[k] < self.HYSTERESIS * rates[
                         min(self._decided[2], self.max_k)]:
                     k = self._decided[2]      # not clearly better: switching has a cost
+                bucket = B.bit_length()
+                spec_rate = self._goodput.get((bucket, True))
+                plain_rate = self._goodput.get((bucket, False))
+                if k and spec_rate is not None and plain_rate is not None \
+                        and spec_rate < plain_rate:
+                    k = 0                     # measured, not predicted: drafting loses here
                 self._decided = (B, self.steps, k)
             if self.steps % self.explore_every == 0:
                 k = self._explore(k, B, other_tokens)
