@@ -709,7 +709,10 @@ class LLM:
             decode_only = batch.seqs and all(
                 batch.num_scheduled_tokens[i] == 1 + batch.num_draft_tokens[i]
                 for i in range(len(batch.seqs)))
-            if decode_only and len(verify) in (0, len(batch.seqs)):   # all drafted, or none
+            # All drafted, or none; a draft model's catch-up after a pause is a one-off cost.
+            catch_up = spec.draft is not None and verify and any(
+                tokens > 2 * seqs for seqs, tokens, _ in spec.draft.pass_times)
+            if decode_only and len(verify) in (0, len(batch.seqs)) and not catch_up:
                 spec.controller.observe_goodput(len(batch.seqs), bool(verify),
                                                 sum(map(len, new_tokens.values())), elapsed)
         now = time.monotonic()

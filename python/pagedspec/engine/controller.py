@@ -16,8 +16,8 @@ position and request.
 
 A check against reality: the realized tokens per second of decode-only steps are kept per batch
 size (in powers of two), with and without drafts; where drafting steps have delivered less than
-plain ones, the controller does not draft (exploration still drafts now and then, so a change,
-such as acceptance improving, is seen).
+plain ones within the last ``GOODPUT_MEMORY`` steps, the controller does not draft (after that,
+the model may try again, so a change such as acceptance improving is seen).
 
 Measurements. ``t`` and ``d`` are kept as moving averages in buckets of powers of two of their
 argument and interpolated linearly between measured buckets; above them ``t`` is extrapolated along the slope
@@ -122,6 +122,8 @@ class SpeculationController:
     # does not see (turning a draft model back on makes it catch up on every skipped token), and
     # near break-even the estimates' noise would otherwise flip k back and forth.
     HYSTERESIS = 1.05
+    # Steps a measured loss of drafting vetoes it for; then the model may try again.
+    GOODPUT_MEMORY = 64
 
     def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 3,
                  explore_every: int = 8, decay: float = 0.9, prior: float = 0.5,
@@ -137,7 +139,7 @@ class SpeculationController:
         # Realized tokens/s of decode-only steps, by (batch size bucket, drafted or not): the
         # model's check against reality (what it does not model, such as a draft catching up
         # after a pause, shows here).
-        self._goodput: dict[tuple[int, bool], float] = {}
+        self._goodput: dict[tuple[int, bool], tuple[float, int]] = {}   # -> (rate, step)
         self.target_cost = CostCurve()          # seconds per target step, by tokens
         self.draft_cost = CostCurve()           # seconds per draft pass, by sequences
         self.steps = 0
@@ -162,7 +164,7 @@ class SpeculationController:
         key = (max(num_seqs, 1).bit_length(), drafted)
         rate = tokens / max(seconds, 1e-9)
         old = self._goodput.get(key)
-        self._goodput[key] = rate if old is None else 0.8 * old + 0.2 * rate
+        self._goodput[key] = (rate if old is None else 0.8 * old[0] + 0.2 * rate, self.steps)
 
     def observe_acceptance(self, request_key: int, k: int, accepted: int) -> None:
         d = self.decay
@@ -250,8 +252,9 @@ class SpeculationController:
                 bucket = B.bit_length()
                 spec_rate = self._goodput.get((bucket, True))
                 plain_rate = self._goodput.get((bucket, False))
-                if k and spec_rate is not None and plain_rate is not None \
-                        and spec_rate < plain_rate:
+                if (k and spec_rate is not None and plain_rate is not None
+                        and self.steps - spec_rate[1] < self.GOODPUT_MEMORY
+                        and spec_rate[0] < plain_rate[0]):
                     k = 0                     # measured, not predicted: drafting loses here
                 self._decided = (B, self.steps, k)
             if self.steps % self.explore_every == 0:
