@@ -12,8 +12,8 @@ prompt lookup, fixed k = 4 and adaptive; and a misaligned draft (the draft with 
 tensor's entries shuffled) at fixed k = 4 and adaptive: the case where speculation must switch
 itself off. Per run: output tokens/s, speedup over plain in the same run, acceptance rate, mean
 acceptance length, and the speedup the measured costs predict for a fixed k,
-``E(k) * t_plain / (k * t_draft + t_verify(k))`` with ``E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j``
-from the run's per-position acceptance. At batch 1, ``transformers``' ``generate`` and its
+``E(k) * t_plain / (k * t_draft + t_verify(k))`` with ``E(k) = 1 + sum_{j<=k} a_j``, ``a_j``
+the run's share of drafts accepted through position j. At batch 1, ``transformers``' ``generate`` and its
 assisted generation (``assistant_model=``, the same draft) run on the same prompts as the peer.
 Every engine first runs the workload once at half length, untimed: the timed runs show the
 adaptive controller's steady state (what a long-running server sees), not its warm-up. Each
@@ -97,12 +97,11 @@ def shuffled_copy(src: Path, dst: Path, seed: int = 0) -> Path:
     return dst
 
 
-def predicted_speedup(k: int, accept_per_position: list[float], t_plain: float,
+def predicted_speedup(k: int, accepted_through: list[float], t_plain: float,
                       t_draft_pass: float, t_verify: float) -> float:
-    expected, p = 1.0, 1.0
-    for j in range(k):
-        p *= accept_per_position[j] if j < len(accept_per_position) else 0.0
-        expected += p
+    """``accepted_through[j]``: the share of drafts whose position j was accepted (so all before
+    it too); the tokens a draft emits in expectation are 1 + their sum."""
+    expected = 1.0 + sum(accepted_through[:k])
     return expected * t_plain / (k * t_draft_pass + t_verify)
 
 
