@@ -20,7 +20,6 @@ from checkpoints import BASE, hf_model, make_checkpoint
 from pagedspec.engine import BlockOps, KVCache, ModelRunner, StepBatch
 from pagedspec.models import CheckpointError, LlamaConfig, load_checkpoint
 
-_EMPTY = torch.zeros((0, 2), dtype=torch.int64)
 
 # name -> (architecture, config overrides)
 CONFIGS = {
@@ -81,7 +80,7 @@ def paged_logits(model, token_ids: list[int], steps: list[int], block_size: int 
             input_ids=torch.tensor(token_ids)[pos], positions=pos, slot_mapping=slots,
             block_tables=tables[seqs], seq_lens=torch.tensor(lens, dtype=torch.int32),
             cu_seqlens_q=cu, max_q_len=max(q_lens), logits_indices=torch.arange(len(pos)),
-            block_ops=BlockOps(_EMPTY, _EMPTY, _EMPTY))
+            block_ops=BlockOps.empty())
         logits = runner.execute(batch, all_rows=True)
         for j, s in enumerate(seqs):
             rows[s].append(logits[int(cu[j]):int(cu[j + 1])])

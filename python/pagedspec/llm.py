@@ -34,10 +34,8 @@ from pagedspec.engine.scheduler import Scheduler, SchedulerConfig, StepBatch
 from pagedspec.engine.sequence import Sequence, SequenceStatus
 from pagedspec.engine.speculative import (DraftModelProposer, DraftRequest, NgramProposer,
                                           Verification, verify_drafts)
-from pagedspec.models.loader import Checkpoint, load_checkpoint
+from pagedspec.models.loader import DTYPES, Checkpoint, load_checkpoint
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16}
 _KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
               "fp8_e5m2": torch.float8_e5m2}
 
@@ -435,7 +433,7 @@ class LLM:
         if dtype == "auto":
             chosen = self.checkpoint.default_dtype()
             return torch.bfloat16 if cuda and chosen == torch.float32 else chosen
-        chosen = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(dtype)
+        chosen = dtype if isinstance(dtype, torch.dtype) else DTYPES.get(dtype)
         if chosen not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"LLM: dtype must be 'auto', 'float32', 'bfloat16', 'float16' or "
                              f"one of those torch dtypes, got {dtype!r}")

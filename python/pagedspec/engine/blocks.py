@@ -156,6 +156,11 @@ class BlockOps:
     swap_in: torch.Tensor
     copies: torch.Tensor
 
+    @staticmethod
+    def empty() -> "BlockOps":
+        """No moves (a forward pass outside the scheduler's steps)."""
+        return BlockOps(_NO_MOVES, _NO_MOVES, _NO_MOVES)
+
 
 _NO_MOVES = torch.zeros((0, 2), dtype=torch.int64)
 

@@ -37,9 +37,6 @@ from pagedspec.engine.runner import ModelRunner
 from pagedspec.engine.sampler import SamplingRow, processed_probs
 from pagedspec.engine.scheduler import StepBatch
 
-_NO_MOVES = torch.zeros((0, 2), dtype=torch.int64)
-
-
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the trailing n-gram (longest n
     first, ``max_n`` down to ``min_n``) and propose the ``k`` tokens that followed it.
@@ -162,7 +159,7 @@ class DraftModelProposer:
                 slot_mapping=slot_mapping, block_tables=rows,
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32), cu_seqlens_q=cu,
                 max_q_len=max(q_lens), logits_indices=(cu[1:] - 1).long(),
-                block_ops=BlockOps(_NO_MOVES, _NO_MOVES, _NO_MOVES))
+                block_ops=BlockOps.empty())
             start = time.perf_counter()
             logits = self.runner.execute(step)
             tokens = logits.argmax(dim=-1).tolist()     # waits for the device

@@ -22,7 +22,8 @@ from pagedspec.models import llama
 _ARCHITECTURES = {name: (llama.LlamaConfig, llama.LlamaForCausalLM)
                   for name in llama.ARCHITECTURES}
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+# dtype names as config.json and the LLM API spell them
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
 
@@ -120,7 +121,7 @@ class Checkpoint:
 
     def default_dtype(self) -> torch.dtype:
         """The checkpoint's own dtype (``torch_dtype`` / ``dtype`` in config.json), else float32."""
-        return _DTYPES.get(self.config.torch_dtype or "float32", torch.float32)
+        return DTYPES.get(self.config.torch_dtype or "float32", torch.float32)
 
     def load_tokenizer(self):
         """The ``tokenizers.Tokenizer`` of ``tokenizer.json``."""
