@@ -352,7 +352,7 @@ def test_controller_model_on_synthetic_costs():
             k = c.choose(keys, [100] * batch, 0)
             c.observe_target(batch * (1 + k), target_cost(batch * (1 + k)))
             if k:
-                c.observe_draft(batch, k, k * draft_cost)
+                c.observe_draft(batch, draft_cost)
                 for key in keys:
                     acc = 0
                     while acc < k and rng.random() < accept:

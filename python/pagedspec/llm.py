@@ -215,6 +215,7 @@ class _Completion:
     stop_reason: Union[int, str, None] = None
     finish_reason: Optional[str] = None
     num_detokenized: int = 0                 # output tokens fed to ``detok`` so far
+    stop_checked: int = 0                    # characters of text searched for stop strings
 
 
 @dataclass(eq=False)
@@ -581,7 +582,7 @@ class LLM:
                                            if spec.ngram is not None else [0] * kr)
             if spec.ngram is not None:              # the model drafter is timed when it runs
                 seconds = time.perf_counter() - start
-                spec.controller.observe_draft(len(decoding), 1, seconds)
+                spec.controller.observe_draft(len(decoding), seconds)
                 spec.stats.draft_seconds += seconds
         return k
 
@@ -619,7 +620,7 @@ class LLM:
         extra = (total - sum(t for _, _, t in passes)) / len(passes)
         for num_seqs, num_tokens, seconds in passes:
             if num_tokens <= 2 * num_seqs:
-                spec.controller.observe_draft(num_seqs, 1, seconds + extra)
+                spec.controller.observe_draft(num_seqs, seconds + extra)
         return draft_probs
 
     def _synchronized(self, start: float) -> float:
@@ -777,8 +778,12 @@ class LLM:
             c.num_detokenized = len(out)
             stops = params.stop_strings
             if stops:
-                text = c.detok.text
-                hits = [(text.find(s), s) for s in stops if s in text]
+                # Text before this step held no stop string, so a hit overlaps the new text:
+                # search only where it can start (not the whole text every token).
+                text, seen = c.detok.text, c.stop_checked
+                hits = [(pos, s) for s in stops
+                        if (pos := text.find(s, max(0, seen - len(s) + 1))) >= 0]
+                c.stop_checked = len(text)
                 if hits:
                     pos, s = min(hits)
                     c.detok.text = text[:pos]

@@ -154,9 +154,9 @@ class SpeculationController:
     def observe_target(self, num_tokens: int, seconds: float) -> None:
         self.target_cost.observe(num_tokens, seconds)
 
-    def observe_draft(self, num_seqs: int, num_passes: int, seconds: float) -> None:
-        if num_passes:
-            self.draft_cost.observe(num_seqs, seconds / num_passes)
+    def observe_draft(self, num_seqs: int, seconds: float) -> None:
+        """One drafting pass (one token for each of ``num_seqs`` sequences) took ``seconds``."""
+        self.draft_cost.observe(num_seqs, seconds)
 
     def observe_goodput(self, num_seqs: int, drafted: bool, tokens: int, seconds: float) -> None:
         """A decode-only step's result: ``tokens`` emitted by ``num_seqs`` sequences in
