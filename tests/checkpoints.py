@@ -104,3 +104,23 @@ def hf_model(path: Path, dtype: torch.dtype = torch.float32):
     import transformers
 
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def dense_forward(model, token_ids: list[int], record: Optional[list] = None) -> torch.Tensor:
+    """Hidden states of one whole sequence through a pagedspec model with contiguous K/V and
+    causal SDPA instead of the paged cache; ``record`` (a list) receives each layer's K (after
+    RoPE) and V."""
+    import torch.nn.functional as F
+
+    def attend(_, q, k, v):
+        if record is not None:
+            record.append((k.clone(), v.clone()))
+        g = q.shape[1] // k.shape[1]
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 0),
+                                             v.repeat_interleave(g, 0), is_causal=True,
+                                             scale=model.scale)
+        return out.transpose(0, 1)
+
+    with torch.no_grad():
+        return model.forward(torch.tensor(token_ids), torch.arange(len(token_ids)), attend)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoints import dense_forward
 from pagedspec import LLM, SamplingParams
 from pagedspec.models import load_checkpoint, resolve_model_path
 
@@ -72,23 +73,12 @@ def test_held_out_loss_matches_the_model_card(name):
     card_bpb = info[key]["bits_per_byte"]
     text = held_out_text(info)
     ckpt = load_checkpoint(name)
-    ids = ckpt.load_tokenizer().encode(text).ids[:1024]
+    tok = ckpt.load_tokenizer()
+    ids = tok.encode(text).ids[:1024]
     model = ckpt.load_model(torch.float32)
-
-    def attend(_, q, k, v):
-        g = q.shape[1] // k.shape[1]
-        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k.repeat_interleave(g, 0), v.repeat_interleave(g, 0), is_causal=True,
-            scale=model.scale)
-        return out.transpose(0, 1)
-
-    with torch.no_grad():
-        logits = model.compute_logits(model.forward(torch.tensor(ids), torch.arange(len(ids)),
-                                                    attend))
+    logits = model.compute_logits(dense_forward(model, ids))
     nats = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]),
                                              reduction="sum").item()
-    tok = ckpt.load_tokenizer()
     bytes_ = len(tok.decode(ids[1:]).encode())
     bpb = nats / math.log(2) / bytes_
     assert bpb < card_bpb + 0.35, (bpb, card_bpb)

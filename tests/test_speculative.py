@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from scipy import stats
 
-from checkpoints import hf_model, make_checkpoint
+from checkpoints import dense_forward, hf_model, make_checkpoint
 from pagedspec import LLM, SamplingParams
 from pagedspec.engine import NgramProposer, SpeculationController
 from pagedspec.engine.sequence import SequenceStatus
@@ -266,20 +266,8 @@ def test_sampled_speculation_keeps_the_target_distribution(small_vocab, monkeypa
 # ---- rollback: both caches hold exactly the live tokens' K/V ----------------------------------
 def dense_kv(model, tokens: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the K (after RoPE) and V of every position, from a dense causal pass."""
-    import torch.nn.functional as F
-    kvs = []
-
-    def attend(layer, q, k, v):
-        kvs.append((k.clone(), v.clone()))
-        g = q.shape[1] // k.shape[1]
-        qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-        out = F.scaled_dot_product_attention(qt, kt.repeat_interleave(g, 0),
-                                             vt.repeat_interleave(g, 0), is_causal=True,
-                                             scale=model.scale)
-        return out.transpose(0, 1)
-
-    with torch.no_grad():
-        model.forward(torch.tensor(tokens), torch.arange(len(tokens)), attend)
+    kvs: list = []
+    dense_forward(model, tokens, record=kvs)
     return kvs
 
 
