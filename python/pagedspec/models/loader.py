@@ -112,12 +112,13 @@ class Checkpoint:
                  for i in range(self.config.num_layers)]
         if not all(k in self.weight_files and v in self.weight_files for k, v in names):
             return None
-        k_scales, v_scales = [], []
-        for k, v in names:
-            for name, out in ((k, k_scales), (v, v_scales)):
-                with safe_open(str(self.weight_files[name]), framework="pt") as f:
-                    out.append(float(f.get_tensor(name).float().reshape(-1)[0]))
-        return k_scales, v_scales
+        handles = {file: safe_open(str(file), framework="pt")
+                   for file in {self.weight_files[n] for pair in names for n in pair}}
+
+        def scalar(name: str) -> float:
+            return float(handles[self.weight_files[name]].get_tensor(name).float().reshape(-1)[0])
+
+        return [scalar(k) for k, _ in names], [scalar(v) for _, v in names]
 
     def default_dtype(self) -> torch.dtype:
         """The checkpoint's own dtype (``torch_dtype`` / ``dtype`` in config.json), else float32."""
