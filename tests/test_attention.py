@@ -348,6 +348,51 @@ def test_inf_and_nan_in_unused_slots(gen, device):
     check_case(case, ops.paged_attention_v2, mass=True)
 
 
+ISOLATION_FNS = {**VARIANTS, "reference": reference.paged_attention}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", list(ISOLATION_FNS))
+@pytest.mark.parametrize("num_heads, num_kv_heads, q_len", [(2, 1, 2), (4, 4, 3), (8, 1, 9),
+                                                            (16, 2, 5)])
+@pytest.mark.parametrize("poison", ["k_inf", "v_inf", "v_nan", "k_nan"])
+def test_isolation_from_later_draft_tokens(gen, device, fn, num_heads, num_kv_heads, q_len,
+                                           poison):
+    # The contract's Isolation: a token's out, lse and mass do not depend on positions past its
+    # causal limit. Poison the K or V of the last query token of each sequence (a later draft
+    # token) and every earlier token must give bit-identical results to the clean run. The
+    # 1100-token sequence spans three v2 partitions; row chunks then hold tokens whose limits
+    # differ (the shapes where a zero-weight multiply would turn an inf into NaN).
+    if fn == "reference" and device != "cpu":
+        pytest.skip("the reference runs on CPU tensors here")
+    case = Case(gen, seq_lens=[37, 1100, q_len], q_lens=[q_len, q_len, q_len],
+                num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=64, block_size=16,
+                dtype=torch.float16, device=device)
+    run = ISOLATION_FNS[fn]
+    clean_out, clean_lse, clean_mass = case.run(run, lse=True, mass=True)
+    cache = case.key_cache if poison.startswith("k") else case.value_cache
+    bad = float("inf") if poison.endswith("inf") else float("nan")
+    seq_lens = case.seq_lens.tolist()
+    last_slots = []
+    for i, s in enumerate(seq_lens):
+        p = s - 1
+        slot = int(case.block_tables[i, p // 16]) * 16 + p % 16
+        cache.view(-1, num_kv_heads, 64)[slot] = bad
+        last_slots.append(slot)
+    out, lse_t, mass_t = case.run(run, lse=True, mass=True)
+    earlier = torch.ones(case.query.shape[0], dtype=torch.bool)
+    earlier[case.cu_seqlens_q[1:].long().cpu() - 1] = False  # the poisoned tokens themselves
+    assert not torch.isnan(out[earlier]).any() and not torch.isnan(lse_t[earlier]).any()
+    assert torch.equal(out[earlier], clean_out[earlier])
+    assert torch.equal(lse_t[earlier], clean_lse[earlier])
+    if poison.startswith("v"):
+        # V does not enter the mass at all; CUDA adds it with atomics (low bits vary run to run).
+        if device == "cpu":
+            assert torch.equal(mass_t, clean_mass)
+        else:
+            torch.testing.assert_close(mass_t, clean_mass, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("seq_lens", [[4000], [300] * 40])
 def test_dispatcher_agrees_with_v1_and_v2(gen, device, seq_lens):

@@ -6,11 +6,11 @@
 // straight from the cache and decoded in registers (CacheReader: bf16/fp16 conversions, FP8 as
 // exactly CacheCodec::decode), scored against the rows in 4-row x 4-position blocks, folded into
 // each row's online-softmax state (include/pagedspec/attention.h, the same helpers as the CUDA
-// kernels), then the V rows are decoded and accumulated with the weights. Positions a row may not
-// see (past its causal limit, or past seq_len) are never read: the loops stop at each row's limit,
-// so NaN or garbage in unused slots cannot reach the output. The next tile's K rows and this
-// tile's V rows are prefetched while scoring (the rows are scattered by the block table, so the
-// hardware prefetchers cannot run ahead).
+// kernels), then the V rows are decoded and accumulated with the weights. What a row may not see
+// (past its causal limit, or past seq_len) never enters its softmax or its accumulator, not even
+// with a zero weight, so inf or NaN in unused slots or in a later draft token cannot reach it.
+// The next tile's K rows and this tile's V rows are prefetched while scoring (the rows are
+// scattered by the block table, so the hardware prefetchers cannot run ahead).
 //
 // v1: one task per (sequence, KV head, row chunk) over the whole context.
 // v2: one task per (sequence, KV head, row chunk, partition of kPartitionSize positions) writing
@@ -374,7 +374,7 @@ class CpuPagedAttention {
 
   // Locates the tile's n K and V rows and the next tile's K rows (prefetched while this tile is
   // scored), and counts what each row may see of this tile.
-  int locate_tile(const Task& task, Workspace& ws, int start, int n, int next_n) const {
+  void locate_tile(const Task& task, Workspace& ws, int start, int n, int next_n) const {
     for (int t = 0; t < n; ++t) {
       const int64_t off = p_.cache_offset(task.seq, start + t, task.kv_head);
       ws.krows[t] = p_.key_cache + off;
@@ -385,12 +385,9 @@ class CpuPagedAttention {
           ? p_.key_cache + p_.cache_offset(task.seq, start + kTile + t, task.kv_head)
           : nullptr;
     }
-    int n_needed = 0;
     for (int r = 0; r < task.num_rows; ++r) {
       ws.visible[r] = std::clamp(ws.rows[r].limit - start + 1, 0, n);
-      n_needed = std::max(n_needed, ws.visible[r]);
     }
-    return n_needed;
   }
 
   // ws.w[r][t] = q[r] . k[t] for every row and every position it may see, blocks of four rows
@@ -455,13 +452,12 @@ class CpuPagedAttention {
     const int pos_end = std::min(task.pos_end, ws.rows[R - 1].limit + 1);
     for (int start = task.pos_begin; start < pos_end; start += kTile) {
       const int n = std::min(kTile, pos_end - start);
-      const int n_needed = locate_tile(task, ws, start, n, std::min(kTile, pos_end - start - kTile));
+      locate_tile(task, ws, start, n, std::min(kTile, pos_end - start - kTile));
       if (start == task.pos_begin) {
         for (int t = 0; t < n; ++t) prefetch_row(ws.krows[t], D * int(sizeof(CacheT)));
       }
       score_tile(R, ws, true);
-      // Online softmax per row. Weights past a row's limit are exactly 0, and the V rows read
-      // below are positions < seq_len only (written values), so nothing masked can leak in.
+      // Online softmax per row over the positions it sees (scores past its limit are left unread).
       for (int r = 0; r < R; ++r) {
         const int visible = ws.visible[r];
         float* w = ws.w.data() + r * kTile;
@@ -473,14 +469,29 @@ class CpuPagedAttention {
           if (factor != 1.0f) scale_row(ws.acc.data() + size_t(r) * D, factor, D);
           st.sum += exp2_weights(w, visible, st.max);
         }
-        for (int t = visible; t < n_needed; ++t) w[t] = 0.0f;
       }
-      for (int r0 = 0; r0 < R; r0 += 4) {
-        const int nr = std::min(4, R - r0);
-        with_rows(nr, [&](auto NR) {
-          accumulate_block<NR>(ws.acc.data() + size_t(r0) * D, ws.w.data() + r0 * kTile,
-                               ws.vrows, ws.vreader, ws.visible[r0 + nr - 1], D, kTile);
+      for (int r0 = 0; r0 < R; r0 += 4) accumulate_rows(ws, r0, std::min(4, R - r0));
+    }
+  }
+
+  // acc[r] += sum over the positions row r sees of w[r][t] * v[t], for rows r0 .. r0 + nr - 1.
+  // Their visible counts never decrease (rows ascend in query token), so the positions split into
+  // segments [visible[i-1], visible[i]) that rows i .. nr - 1 all see. Each segment is accumulated
+  // for exactly those rows: a position past a row's limit is never multiplied into it, not even by
+  // a zero weight, so an inf or NaN in a later draft token's V cannot reach an earlier token
+  // (the contract's Isolation).
+  void accumulate_rows(Workspace& ws, int r0, int nr) const {
+    const int D = p_.head_size;
+    int begin = 0;
+    for (int i = 0; i < nr; ++i) {
+      const int end = ws.visible[r0 + i];
+      if (end > begin) {
+        const int row = r0 + i;
+        with_rows(nr - i, [&](auto NR) {
+          accumulate_block<NR>(ws.acc.data() + size_t(row) * D, ws.w.data() + row * kTile + begin,
+                               ws.vrows + begin, ws.vreader, end - begin, D, kTile);
         });
+        begin = end;
       }
     }
   }

@@ -260,14 +260,15 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       continue;
     }
 
-    // Online softmax, one state per row per lane group. Masked positions get weight exactly 0
-    // and their V vectors are either unloaded zeros (past ctx_end) or written values.
+    // Online softmax, one state per row per lane group, over the positions each row sees.
+    bool seen[kUnroll][kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       float tile_max = neg_inf();
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        if (pos[u] >= ctx_end || pos[u] > limit[r]) s[u][r] = neg_inf();
+        seen[u][r] = pos[u] < ctx_end && pos[u] <= limit[r];
+        if (!seen[u][r]) s[u][r] = neg_inf();
         tile_max = fmaxf(tile_max, s[u][r]);
       }
       const float factor = state[r].raise_max(tile_max);
@@ -286,10 +287,14 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       float vf[kElems];
 #pragma unroll
       for (int i = 0; i < kLoads; ++i) decode_vector<CacheT, F>(vraw[u][i], vf + i * kVec);
+      // Selected, not multiplied by a zero weight: a V row a row cannot see (a later draft
+      // token's, possibly inf or NaN) must not reach it (the contract's Isolation).
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
 #pragma unroll
-        for (int e = 0; e < kElems; ++e) acc[r][e] = fmaf(s[u][r], vf[e], acc[r][e]);
+        for (int e = 0; e < kElems; ++e) {
+          acc[r][e] = seen[u][r] ? fmaf(s[u][r], vf[e], acc[r][e]) : acc[r][e];
+        }
       }
     }
   }

@@ -96,7 +96,7 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 
 
 # ----------------------------------------------------------------------------------------------
-# Paged attention (issue 3)
+# Paged attention
 
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
@@ -110,6 +110,8 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     Gathers each sequence's K/V through its block table (only positions < seq_len, so unused
     slots are never read), dequantizes FP8 (stored * scale), and applies causal softmax attention:
     query token j of a sequence with q_len query tokens sees positions 0 .. seq_len - q_len + j.
+    Each token is computed over exactly the positions it sees (a slice, not a mask), so nothing it
+    cannot see, not even inf or NaN in a later draft token's K/V, enters its output, lse or mass.
     Writes ``out`` (query's dtype), ``lse`` (natural log, float32 [T, Hq]) and adds the attention
     probability per slot, summed over heads and query tokens, into ``attn_mass``. ``max_q_len`` is
     only a bound; the lengths come from ``cu_seqlens_q``.
@@ -131,17 +133,16 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         v = dequantize_cache(flat_v[slots], v_scale)
         k = k.repeat_interleave(group, dim=1)  # [S, Hq, D]: head h reads KV head h // group
         v = v.repeat_interleave(group, dim=1)
-        q = query[first:last].float()  # [L, Hq, D]
-        logits = torch.einsum("lhd,shd->hls", q, k) * scale  # [Hq, L, S]
-        limit = seq_len - q_len + torch.arange(q_len, device=query.device)  # [L]
-        masked = positions[None, :] > limit[:, None]  # [L, S]
-        logits = logits.masked_fill(masked, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        out[first:last] = torch.einsum("hls,shd->lhd", probs, v).to(out.dtype)
-        if lse is not None:
-            lse[first:last] = torch.logsumexp(logits, dim=-1).transpose(0, 1)
-        if attn_mass is not None:
-            attn_mass.index_add_(0, slots, probs.sum(dim=(0, 1)))
+        for j in range(q_len):
+            seen = seq_len - q_len + j + 1  # positions 0 .. seen - 1
+            q = query[first + j].float()  # [Hq, D]
+            logits = torch.einsum("hd,shd->hs", q, k[:seen]) * scale  # [Hq, seen]
+            probs = torch.softmax(logits, dim=-1)
+            out[first + j] = torch.einsum("hs,shd->hd", probs, v[:seen]).to(out.dtype)
+            if lse is not None:
+                lse[first + j] = torch.logsumexp(logits, dim=-1)
+            if attn_mass is not None:
+                attn_mass.index_add_(0, slots[:seen], probs.sum(dim=0))
 
 
 # v1 and v2 differ only in how the kernels split the work; they mean the same thing.
@@ -150,7 +151,7 @@ paged_attention_v2 = paged_attention
 
 
 # ----------------------------------------------------------------------------------------------
-# Speculative decoding verification (issue 4)
+# Speculative decoding verification
 
 
 def _draft_counts(draft_token_ids: torch.Tensor,
@@ -253,7 +254,7 @@ def greedy_verify(draft_token_ids, target_token_ids, num_draft_tokens=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# Count-min sketch (issue 5)
+# Count-min sketch
 
 
 # torch has no uint64 arithmetic, but int64 add and multiply wrap in two's complement, which is
