@@ -5,7 +5,7 @@ Bytes moved are what attention must read and write at least: every sequence's K 
 (seq_len x num_kv_heads x head_size x element size, twice) plus the query and the output. The
 block table and index tensors are a few KB and are not counted.
 
-GPU targets (issue 3): batch 64 / context 4096 / llama3-8b / bf16 decode at >= 85% of the copy
+GPU targets: batch 64 / context 4096 / llama3-8b / bf16 decode at >= 85% of the copy
 bandwidth; FP8 >= 1.7x faster than bf16 on that shape; batch 1 / context 64k (v2) >= 70%;
 verification (q_len 5) within 1.3x of decode on the same context. CPU target: batch 8 / context
 2048 at >= 50% of the copy bandwidth and >= 3x the reference.
