@@ -5,14 +5,20 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Optional.h>
+
+#include <cmath>
+#include <string>
+#include <utility>
 
 #include "checks.h"
 #include "pagedspec/attention.h"
 
 namespace pagedspec {
 
-// Head sizes the kernels are built for (the CUDA kernels are specialized on them).
+// Head sizes the kernels are built for (the CUDA kernels are specialized on them): the one list,
+// used by the checks, their message, the CUDA dispatch and build_info().
 constexpr int kAttentionHeadSizes[] = {64, 80, 96, 112, 128, 256};
 
 inline bool attention_head_size_supported(int64_t head_size) {
@@ -22,9 +28,52 @@ inline bool attention_head_size_supported(int64_t head_size) {
   return false;
 }
 
+// "{64, 80, 96, 112, 128, 256}", for messages.
+inline std::string attention_head_sizes_text() {
+  std::string text = "{";
+  for (int d : kAttentionHeadSizes) text += (text.size() > 1 ? ", " : "") + std::to_string(d);
+  return text + "}";
+}
+
+// The elements of a 3-D tensor with a unit last stride (out) never share memory: after ordering
+// the two outer dimensions by stride, each stride covers the extent of the dimensions inside it.
+// (at::has_internal_overlap answers "too hard" for most strided views.)
+inline bool rows_overlap(const at::Tensor& t) {
+  int64_t stride[2] = {t.stride(0), t.stride(1)};
+  int64_t size[2] = {t.size(0), t.size(1)};
+  if (stride[0] < stride[1] || (stride[0] == stride[1] && size[0] < size[1])) {
+    std::swap(stride[0], stride[1]);
+    std::swap(size[0], size[1]);
+  }
+  const int64_t inner = t.size(2);  // extent of the contiguous last dimension
+  const bool inner_ok = size[1] <= 1 || stride[1] >= inner;
+  const bool outer_ok = size[0] <= 1 || stride[0] >= (size[1] <= 1 ? inner : stride[1] * size[1]);
+  return !(inner_ok && outer_ok);
+}
+
 // Block sizes: a power of two up to 1024 (the kernels split positions with shifts and masks).
 inline bool attention_block_size_supported(int64_t block_size) {
   return block_size >= 1 && block_size <= 1024 && (block_size & (block_size - 1)) == 0;
+}
+
+// Whether two tensors may share memory: never when their storages differ; otherwise torch's
+// answer for dense tensors, else whether their byte ranges intersect (conservative for
+// interleaved views of one buffer, which no caller of these ops needs).
+inline bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  if (!a.storage().is_alias_of(b.storage())) return false;
+  if (a.is_non_overlapping_and_dense() && b.is_non_overlapping_and_dense()) {
+    return at::get_overlap_status(a, b) != at::MemOverlapStatus::No;
+  }
+  auto range = [](const at::Tensor& t) {
+    int64_t last = 0;  // offset of the last element, in elements (strides are >= 0 here)
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * std::abs(t.stride(d));
+    const char* begin = static_cast<const char*>(t.const_data_ptr());
+    return std::pair<const char*, const char*>{begin, begin + (last + 1) * t.element_size()};
+  };
+  const auto [a0, a1] = range(a);
+  const auto [b0, b1] = range(b);
+  return a0 < b1 && b0 < a1;
 }
 
 // Validated shapes and formats of one call.
@@ -64,7 +113,8 @@ inline AttentionArgs check_attention(const char* op, const at::Tensor& out,
                                      const at::Tensor& query, const at::Tensor& key_cache,
                                      const at::Tensor& value_cache, const at::Tensor& block_tables,
                                      const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
-                                     int64_t max_q_len, const c10::optional<at::Tensor>& k_scale,
+                                     int64_t max_q_len, double scale,
+                                     const c10::optional<at::Tensor>& k_scale,
                                      const c10::optional<at::Tensor>& v_scale,
                                      const c10::optional<at::Tensor>& lse,
                                      const c10::optional<at::Tensor>& attn_mass,
@@ -106,7 +156,7 @@ inline AttentionArgs check_attention(const char* op, const at::Tensor& out,
   const int64_t num_kv_heads = key_cache.size(2);
   check_size(op, "key_cache", key_cache, 3, head_size, "head_size of query");
   TORCH_CHECK(attention_head_size_supported(head_size), "pagedspec.", op,
-              ": query.size(2) (head_size) must be one of {64, 80, 96, 112, 128, 256}, got ",
+              ": query.size(2) (head_size) must be one of ", attention_head_sizes_text(), ", got ",
               head_size);
   TORCH_CHECK(attention_block_size_supported(block_size), "pagedspec.", op,
               ": key_cache.size(1) (block_size) must be a power of two in [1, 1024], got ",
@@ -132,7 +182,16 @@ inline AttentionArgs check_attention(const char* op, const at::Tensor& out,
   TORCH_CHECK(num_tokens == 0 || max_q_len >= 1, "pagedspec.", op,
               ": max_q_len must be >= 1 when there are query tokens, got ", max_q_len);
   TORCH_CHECK(num_tokens < (int64_t(1) << 31) && num_blocks * block_size < (int64_t(1) << 31),
-              "pagedspec.", op, ": num_tokens and num_blocks * block_size must fit in int32");
+              "pagedspec.", op, ": num_tokens and num_blocks * block_size must fit in int32, got ",
+              num_tokens, " and ", num_blocks * block_size);
+  // The kernels index heads and (token, head) rows in int32.
+  TORCH_CHECK(num_tokens * num_heads < (int64_t(1) << 31), "pagedspec.", op,
+              ": num_tokens x num_heads must fit in int32, got ", num_tokens, " x ", num_heads);
+  TORCH_CHECK(std::isfinite(scale) && scale > 0.0, "pagedspec.", op,
+              ": scale must be finite and > 0, got ", scale);
+  TORCH_CHECK(!rows_overlap(out), "pagedspec.", op,
+              ": out must not overlap itself in memory (each (token, head) row is written "
+              "once), got sizes ", out.sizes(), " and strides ", out.strides());
 
   if (lse.has_value()) {
     check_dtype(op, "lse", *lse, {at::kFloat});
@@ -155,6 +214,22 @@ inline AttentionArgs check_attention(const char* op, const at::Tensor& out,
   }
   if (lse.has_value()) check_same_device(op, "lse", *lse, "query", query);
   if (attn_mass.has_value()) check_same_device(op, "attn_mass", *attn_mass, "query", query);
+
+  // out is written while the inputs are read (and the attn_mass pass re-reads query after out is
+  // written), so it may share memory with nothing but itself.
+  const std::pair<const char*, const at::Tensor*> read_or_written[] = {
+      {"query", &query}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
+      {"lse", lse.has_value() ? &*lse : nullptr},
+      {"attn_mass", attn_mass.has_value() ? &*attn_mass : nullptr}};
+  for (const auto& [name, t] : read_or_written) {
+    if (t == nullptr) continue;
+    TORCH_CHECK(!may_share_memory(out, *t), "pagedspec.", op,
+                ": out must not share memory with ", name, ", got overlapping tensors");
+  }
+  if (lse.has_value() && attn_mass.has_value()) {
+    TORCH_CHECK(!may_share_memory(*lse, *attn_mass), "pagedspec.", op, ": lse must not share memory with attn_mass, got overlapping "
+                "tensors");
+  }
 
   AttentionArgs args{format,     ScaleRef{nullptr, false}, ScaleRef{nullptr, false},
                      num_tokens, num_seqs,     num_heads,    num_kv_heads,
@@ -180,10 +255,14 @@ inline void check_attention_indices(const char* op, const AttentionArgs& args,
   TORCH_CHECK(cu[args.num_seqs] == args.num_tokens, "pagedspec.", op, ": cu_seqlens_q[",
               args.num_seqs, "] must equal num_tokens (query.size(0) = ", args.num_tokens,
               "), got ", cu[args.num_seqs]);
+  // Monotonicity first, over the whole tensor: a decreasing step is a cu_seqlens_q error even
+  // when it also makes some q_len look too long.
+  for (int64_t i = 0; i < args.num_seqs; ++i) {
+    TORCH_CHECK(cu[i + 1] >= cu[i], "pagedspec.", op, ": cu_seqlens_q must be non-decreasing, got ",
+                "cu_seqlens_q[", i, "] = ", cu[i], " > cu_seqlens_q[", i + 1, "] = ", cu[i + 1]);
+  }
   for (int64_t i = 0; i < args.num_seqs; ++i) {
     const int64_t q_len = int64_t(cu[i + 1]) - cu[i];
-    TORCH_CHECK(q_len >= 0, "pagedspec.", op, ": cu_seqlens_q must be non-decreasing, got ",
-                "cu_seqlens_q[", i, "] = ", cu[i], " > cu_seqlens_q[", i + 1, "] = ", cu[i + 1]);
     TORCH_CHECK(q_len <= args.max_q_len, "pagedspec.", op, ": max_q_len (", args.max_q_len,
                 ") must bound every q_len, got q_len = ", q_len, " for sequence ", i);
     const int64_t seq_len = lens[i];

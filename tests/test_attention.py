@@ -478,6 +478,29 @@ BAD = [
     ("k_scale shape", dict(key_cache=lambda a: a["key_cache"].to(torch.float8_e4m3fn),
                            value_cache=lambda a: a["value_cache"].to(torch.float8_e4m3fn),
                            k_scale=torch.ones(3)), "k_scale"),
+    # A decreasing step that also makes q_len 0 -> 4 look too long: cu_seqlens_q is to blame.
+    ("cu_seqlens decreasing, long step", dict(cu_seqlens_q=torch.tensor([0, 4, 3],
+                                                                      dtype=torch.int32)),
+     "cu_seqlens_q must be non-decreasing"),
+    ("scale zero", dict(scale=0.0), "scale must be finite and > 0, got 0"),
+    ("scale nan", dict(scale=float("nan")), "scale must be finite and > 0, got nan"),
+    ("scale inf", dict(scale=float("inf")), "scale must be finite and > 0"),
+    ("scale negative", dict(scale=-0.125), "scale must be finite and > 0"),
+    ("out rows overlap", dict(out=lambda a: torch.zeros(1, 4, 64).half().expand(3, 4, 64)),
+     "out must not overlap itself"),
+    ("out heads overlap", dict(out=lambda a: torch.zeros(3 * 64 + 64).half()
+                               .as_strided((3, 4, 64), (64, 16, 1))),
+     "out must not overlap itself"),
+    ("out is query", dict(out=lambda a: a["query"]), "out must not share memory with query"),
+    ("out inside key_cache", dict(out=lambda a: a["key_cache"].view(-1, 4, 64)[:3]),
+     "out must not share memory with key_cache"),
+    ("lse is attn_mass", dict(attn_mass=torch.zeros(72),
+                              lse=lambda a: a["attn_mass"][:12].view(3, 4)),
+     "lse must not share memory with attn_mass"),
+    ("num_tokens x num_heads overflow",
+     dict(query=lambda a: torch.zeros(1, 1, 64).half().expand(3, 1 << 30, 64),
+          out=lambda a: torch.zeros(1, 1, 64).half().expand(3, 1 << 30, 64)),
+     "must fit in int32"),
 ]
 
 

@@ -711,7 +711,7 @@ void paged_attention_cpu_impl(const char* op, Variant variant, at::Tensor& out,
                               const c10::optional<at::Tensor>& attn_mass) {
   const AttentionArgs args =
       check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens,
-                      cu_seqlens_q, max_q_len, k_scale, v_scale, lse, attn_mass,
+                      cu_seqlens_q, max_q_len, scale, k_scale, v_scale, lse, attn_mass,
                       /*allow_float32=*/true);
   check_attention_indices(op, args, block_tables, seq_lens, cu_seqlens_q);
   if (args.num_tokens == 0 || args.num_seqs == 0) return;

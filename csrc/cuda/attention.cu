@@ -540,9 +540,8 @@ void dispatch_head_size(int64_t head_size, const char* op, Fn&& fn) {
     case 128: return fn(std::integral_constant<int, 128>{});
     case 256: return fn(std::integral_constant<int, 256>{});
     default:
-      TORCH_CHECK(false, "pagedspec.", op,
-                  ": query.size(2) (head_size) must be one of {64, 80, 96, 112, 128, 256}, got ",
-                  head_size);
+      TORCH_CHECK(false, "pagedspec.", op, ": query.size(2) (head_size) must be one of ",
+                  attention_head_sizes_text(), ", got ", head_size);
   }
 }
 
@@ -588,7 +587,7 @@ void paged_attention_cuda_impl(const char* op, Variant variant, at::Tensor& out,
                                const c10::optional<at::Tensor>& attn_mass) {
   const AttentionArgs args =
       check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens,
-                      cu_seqlens_q, max_q_len, k_scale, v_scale, lse, attn_mass,
+                      cu_seqlens_q, max_q_len, scale, k_scale, v_scale, lse, attn_mass,
                       /*allow_float32=*/false);
   if (debug_checks_enabled()) {
     check_attention_indices(op, args, block_tables.cpu(), seq_lens.cpu(), cu_seqlens_q.cpu());
