@@ -204,6 +204,7 @@ class BlockManager:
         self._swap_in: list[tuple[int, int]] = []
         self._touched: set[int] = set()      # GPU blocks read or written by this step's moves
         self._written: set[int] = set()      # GPU blocks written by this step's moves
+        self._copy_dsts: set[int] = set()    # the subset written by this step's copies
         self._cpu_touched: set[int] = set()
         self.deferred: set[int] = set()
         self.cpu_deferred: list[int] = []
@@ -382,15 +383,19 @@ class BlockManager:
                 return False
             start = len(table.blocks) - cow
             if cow:
-                if last in self._written:
+                # apply() swaps in before it copies, so a block swapped in this step may be a
+                # copy source; a block another copy writes may not (copy_blocks runs all pairs
+                # at once and rejects a dst that is also a src).
+                if last in self._copy_dsts:
                     raise RuntimeError(f"BlockManager: block {last} of sequence {seq_id} is "
-                                       "written by this step's moves; call end_step() first")
+                                       "written by this step's copies; call end_step() first")
                 copy = self._take()
                 self.ref_counts[last] -= 1
                 table.blocks[-1] = copy
                 self._copies.append((last, copy))
                 self._touched.update((last, copy))
                 self._written.add(copy)
+                self._copy_dsts.add(copy)
             table.blocks.extend(self._take() for _ in range(needed))
             self._write_row(table, start)
         if last >= 0 and not cow and self.block_hash[last] is not None:
@@ -483,6 +488,7 @@ class BlockManager:
         self._swap_out, self._swap_in, self._copies = [], [], []
         self._touched.clear()
         self._written.clear()
+        self._copy_dsts.clear()
         self._cpu_touched.clear()
         deferred, self.deferred = sorted(self.deferred), set()
         self._file(deferred)
