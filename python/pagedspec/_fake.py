@@ -79,8 +79,11 @@ def _last_dim_contiguous(op, name, t) -> None:
            f"dimension, got strides {list(t.stride())}")
 
 
-def _no_meta_mix(op: str, tensors: dict) -> None:
-    """A meta tensor among real-device tensors: the dispatcher routed the whole call here."""
+def _no_meta_mix(op: str, tensors: dict, optional: tuple = ()) -> None:
+    """A meta tensor among real-device tensors: the dispatcher routed the whole call here. Also
+    rejects None (an undefined tensor from ``torch.ops``) for a required tensor argument."""
+    for n, t in tensors.items():
+        _check(t is not None or n in optional, op, f"{n} must be a defined Tensor, got None")
     present = {n: t for n, t in tensors.items() if t is not None}
     meta = [n for n, t in present.items() if t.device.type == "meta"]
     real = [n for n, t in present.items() if t.device.type != "meta"]
@@ -119,7 +122,8 @@ def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, k_
                             v_scale=None) -> None:
     op = "reshape_and_cache"
     _no_meta_mix(op, dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
-                          slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale))
+                          slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale),
+                 optional=("k_scale", "v_scale"))
     _dtype(op, "key", key, _ACTIVATION)
     _same_dtype(op, "value", value, "key", key)
     _dim(op, "key", key, 3)
@@ -208,7 +212,8 @@ def _attention_fake(op, out, query, key_cache, value_cache, block_tables, seq_le
     _no_meta_mix(op, dict(out=out, query=query, key_cache=key_cache, value_cache=value_cache,
                           block_tables=block_tables, seq_lens=seq_lens,
                           cu_seqlens_q=cu_seqlens_q, k_scale=k_scale, v_scale=v_scale, lse=lse,
-                          attn_mass=attn_mass))
+                          attn_mass=attn_mass),
+                 optional=("k_scale", "v_scale", "lse", "attn_mass"))
     # float32 queries are a CPU-only feature (the CUDA launcher passes allow_float32=false).
     allowed = (torch.float16, torch.bfloat16) if query.device.type == "cuda" else _ACTIVATION
     _dtype(op, "query", query, allowed)
@@ -338,7 +343,8 @@ def _rejection_sample_fake(draft_token_ids, draft_probs, target_probs, uniform_a
     op = "rejection_sample"
     _no_meta_mix(op, dict(draft_token_ids=draft_token_ids, draft_probs=draft_probs,
                           target_probs=target_probs, uniform_accept=uniform_accept,
-                          uniform_resample=uniform_resample, num_draft_tokens=num_draft_tokens))
+                          uniform_resample=uniform_resample, num_draft_tokens=num_draft_tokens),
+                 optional=("draft_probs", "num_draft_tokens"))
     _draft_tokens(op, draft_token_ids, num_draft_tokens)
     batch, k = draft_token_ids.shape
     ref = draft_token_ids
@@ -364,7 +370,7 @@ def _rejection_sample_fake(draft_token_ids, draft_probs, target_probs, uniform_a
 def _greedy_verify_fake(draft_token_ids, target_token_ids, num_draft_tokens=None):
     op = "greedy_verify"
     _no_meta_mix(op, dict(draft_token_ids=draft_token_ids, target_token_ids=target_token_ids,
-                          num_draft_tokens=num_draft_tokens))
+                          num_draft_tokens=num_draft_tokens), optional=("num_draft_tokens",))
     _draft_tokens(op, draft_token_ids, num_draft_tokens)
     _tensor(op, "target_token_ids", target_token_ids, torch.int64, 2, draft_token_ids,
             "draft_token_ids")
@@ -401,7 +407,8 @@ def _sketch_keys(op, keys, sketch) -> None:
 
 def _cms_update_fake(sketch, keys, increments=None, conservative=False) -> None:
     op = "cms_update"
-    _no_meta_mix(op, dict(sketch=sketch, keys=keys, increments=increments))
+    _no_meta_mix(op, dict(sketch=sketch, keys=keys, increments=increments),
+                 optional=("increments",))
     _sketch(op, sketch)
     _sketch_keys(op, keys, sketch)
     if increments is not None:
@@ -422,6 +429,7 @@ def _cms_query_fake(sketch, keys):
 
 def _cms_decay_fake(sketch, shift=1) -> None:
     op = "cms_decay"
+    _no_meta_mix(op, dict(sketch=sketch))
     _sketch(op, sketch)
     _check(0 <= shift <= 31, op, lambda: f"shift must be in [0, 31], got {shift}")
 
