@@ -6,14 +6,81 @@ synchronize with the host and can be captured in a CUDA graph.
 
 Shape letters: T tokens, Hq query heads, Hkv KV heads, D head size, NB cache blocks, BS block size,
 B sequences / requests, M max blocks per sequence, k draft tokens, V vocabulary, L layers.
+
+Errors: every bad argument raises ``RuntimeError`` whose message reads
+``pagedspec.<op>: <argument> <expected>, got <given>``, whether the wrapper finds it (a Python
+value of the wrong type, ``None`` where the argument is not optional, the wrong rank of a tensor
+the wrapper itself unpacks) or the kernel does (dtypes, shapes, devices, contents). One exception
+class for both, because the dispatcher already reports a wrong argument type of
+``torch.ops.pagedspec.*`` as ``RuntimeError``: callers catch one kind of error whichever layer
+rejects the call. A wrapper never converts a value lossily (``max_q_len=3.7`` is an error, not 3).
+
+:data:`OP_NAMES` is the one list of ops: every op the compiled library registered.
 """
 from __future__ import annotations
 
+import numbers
+import operator
 from typing import Optional, Sequence
 
 import torch
 
 _ops = torch.ops.pagedspec
+
+#: Every op the compiled library registers (csrc/registration.cpp), sorted: the single source for
+#: the fake kernels (``_fake.py``) and the tests, so an op added in C++ without a wrapper, fake or
+#: reference fails tests/test_build.py.
+OP_NAMES: tuple[str, ...] = tuple(sorted(
+    name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names()
+    if name.startswith("pagedspec::")))
+
+
+def _fail(op: str, message: str):
+    raise RuntimeError(f"pagedspec.{op}: {message}")
+
+
+def _type_name(value) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def _tensor(op: str, name: str, value, *, ndim: Optional[int] = None) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        _fail(op, f"{name} must be a Tensor, got {_type_name(value)}")
+    if ndim is not None and value.dim() != ndim:
+        _fail(op, f"{name} must have {ndim} dimensions, got {value.dim()} "
+                  f"(shape {list(value.shape)})")
+    return value
+
+
+def _optional_tensor(op: str, name: str, value) -> Optional[torch.Tensor]:
+    if value is not None and not isinstance(value, torch.Tensor):
+        _fail(op, f"{name} must be a Tensor or None, got {_type_name(value)}")
+    return value
+
+
+def _int(op: str, name: str, value) -> int:
+    if isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _fail(op, f"{name} must be an int, got {_type_name(value)} ({value!r})")
+    return operator.index(value)
+
+
+def _float(op: str, name: str, value) -> float:
+    if isinstance(value, torch.SymFloat):
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _fail(op, f"{name} must be a float, got {_type_name(value)} ({value!r})")
+    return float(value)
+
+
+def _tensor_list(op: str, name: str, value) -> list:
+    if isinstance(value, torch.Tensor) or not isinstance(value, Sequence):
+        _fail(op, f"{name} must be a list or tuple of Tensors, got {_type_name(value)}")
+    for i, t in enumerate(value):
+        if not isinstance(t, torch.Tensor):
+            _fail(op, f"{name}[{i}] must be a Tensor, got {_type_name(t)}")
+    return list(value)
 
 
 def reshape_and_cache(
@@ -37,8 +104,12 @@ def reshape_and_cache(
         k_scale, v_scale: float32 ``[]`` or ``[Hkv]``; FP8 caches store ``saturate(x / scale)``.
             Ignored for non-FP8 caches; None means 1.0.
     """
-    _ops.reshape_and_cache.default(key, value, key_cache, value_cache, slot_mapping, k_scale,
-                                   v_scale)
+    op = "reshape_and_cache"
+    _ops.reshape_and_cache.default(
+        _tensor(op, "key", key), _tensor(op, "value", value),
+        _tensor(op, "key_cache", key_cache), _tensor(op, "value_cache", value_cache),
+        _tensor(op, "slot_mapping", slot_mapping), _optional_tensor(op, "k_scale", k_scale),
+        _optional_tensor(op, "v_scale", v_scale))
 
 
 def _attention_doc(variant: str) -> str:
@@ -65,10 +136,15 @@ def _attention_doc(variant: str) -> str:
     """
 
 
-def _attention(op, out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+def _attention(name, out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
                max_q_len, scale, k_scale, v_scale, lse, attn_mass) -> None:
-    op(out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, int(max_q_len),
-       float(scale), k_scale, v_scale, lse, attn_mass)
+    getattr(_ops, name).default(_tensor(name, "out", out), _tensor(name, "query", query),
+       _tensor(name, "key_cache", key_cache), _tensor(name, "value_cache", value_cache),
+       _tensor(name, "block_tables", block_tables), _tensor(name, "seq_lens", seq_lens),
+       _tensor(name, "cu_seqlens_q", cu_seqlens_q), _int(name, "max_q_len", max_q_len),
+       _float(name, "scale", scale), _optional_tensor(name, "k_scale", k_scale),
+       _optional_tensor(name, "v_scale", v_scale), _optional_tensor(name, "lse", lse),
+       _optional_tensor(name, "attn_mass", attn_mass))
 
 
 def paged_attention_v1(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
@@ -77,7 +153,7 @@ def paged_attention_v1(out: torch.Tensor, query: torch.Tensor, key_cache: torch.
                        scale: float, k_scale: Optional[torch.Tensor] = None,
                        v_scale: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
                        attn_mass: Optional[torch.Tensor] = None) -> None:
-    _attention(_ops.paged_attention_v1.default, out, query, key_cache, value_cache, block_tables,
+    _attention("paged_attention_v1", out, query, key_cache, value_cache, block_tables,
                seq_lens, cu_seqlens_q, max_q_len, scale, k_scale, v_scale, lse, attn_mass)
 
 
@@ -87,7 +163,7 @@ def paged_attention_v2(out: torch.Tensor, query: torch.Tensor, key_cache: torch.
                        scale: float, k_scale: Optional[torch.Tensor] = None,
                        v_scale: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None,
                        attn_mass: Optional[torch.Tensor] = None) -> None:
-    _attention(_ops.paged_attention_v2.default, out, query, key_cache, value_cache, block_tables,
+    _attention("paged_attention_v2", out, query, key_cache, value_cache, block_tables,
                seq_lens, cu_seqlens_q, max_q_len, scale, k_scale, v_scale, lse, attn_mass)
 
 
@@ -97,7 +173,7 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
                     k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
                     lse: Optional[torch.Tensor] = None,
                     attn_mass: Optional[torch.Tensor] = None) -> None:
-    _attention(_ops.paged_attention.default, out, query, key_cache, value_cache, block_tables,
+    _attention("paged_attention", out, query, key_cache, value_cache, block_tables,
                seq_lens, cu_seqlens_q, max_q_len, scale, k_scale, v_scale, lse, attn_mass)
 
 
@@ -132,7 +208,9 @@ def quantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) ->
         input: float16 / bfloat16 / float32 ``[..., H, D]``, contiguous.
         scale: float32 ``[]`` or ``[H]`` (one per head, dim -2 of input).
     """
-    _ops.quantize_fp8.default(out, input, scale)
+    op = "quantize_fp8"
+    _ops.quantize_fp8.default(_tensor(op, "out", out), _tensor(op, "input", input),
+                              _tensor(op, "scale", scale))
 
 
 def dequantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) -> None:
@@ -143,7 +221,9 @@ def dequantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) 
         input: float8_e4m3fn / float8_e5m2 ``[..., H, D]``, contiguous.
         scale: float32 ``[]`` or ``[H]``.
     """
-    _ops.dequantize_fp8.default(out, input, scale)
+    op = "dequantize_fp8"
+    _ops.dequantize_fp8.default(_tensor(op, "out", out), _tensor(op, "input", input),
+                                _tensor(op, "scale", scale))
 
 
 def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch.Tensor],
@@ -157,7 +237,10 @@ def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch
             src, or a repeated dst, is an error (checked on CPU always; on CUDA with
             ``PAGEDSPEC_DEBUG=1``). One kernel launch covers up to 64 layers.
     """
-    _ops.copy_blocks.default(list(key_caches), list(value_caches), block_mapping)
+    op = "copy_blocks"
+    _ops.copy_blocks.default(_tensor_list(op, "key_caches", key_caches),
+                             _tensor_list(op, "value_caches", value_caches),
+                             _tensor(op, "block_mapping", block_mapping))
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
@@ -171,7 +254,9 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
             blocks, reading pinned host memory directly when one side is on the CPU (the host side
             must then be pinned); no host synchronization, graph-capturable.
     """
-    _ops.swap_blocks.default(src, dst, block_mapping)
+    op = "swap_blocks"
+    _ops.swap_blocks.default(_tensor(op, "src", src), _tensor(op, "dst", dst),
+                             _tensor(op, "block_mapping", block_mapping))
 
 
 def rejection_sample(
@@ -199,8 +284,15 @@ def rejection_sample(
         ``(output_token_ids, num_accepted)``: int64 ``[B, k+1]`` (accepted tokens, then the one
         corrected or bonus token, then -1) and int32 ``[B]``.
     """
-    batch, k = draft_token_ids.shape
-    device = target_probs.device
+    op = "rejection_sample"
+    batch, k = _tensor(op, "draft_token_ids", draft_token_ids, ndim=2).shape
+    draft_probs = _optional_tensor(op, "draft_probs", draft_probs)
+    device = _tensor(op, "target_probs", target_probs).device
+    uniform_accept = _optional_tensor(op, "uniform_accept", uniform_accept)
+    uniform_resample = _optional_tensor(op, "uniform_resample", uniform_resample)
+    num_draft_tokens = _optional_tensor(op, "num_draft_tokens", num_draft_tokens)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        _fail(op, f"generator must be a torch.Generator or None, got {_type_name(generator)}")
     if uniform_accept is None:
         uniform_accept = torch.rand((batch, k), generator=generator, device=device,
                                     dtype=torch.float32)
@@ -224,7 +316,11 @@ def greedy_verify(draft_token_ids: torch.Tensor, target_token_ids: torch.Tensor,
     Returns:
         ``(output_token_ids, num_accepted)`` as for :func:`rejection_sample`.
     """
-    return _ops.greedy_verify.default(draft_token_ids, target_token_ids, num_draft_tokens)
+    op = "greedy_verify"
+    return _ops.greedy_verify.default(
+        _tensor(op, "draft_token_ids", draft_token_ids),
+        _tensor(op, "target_token_ids", target_token_ids),
+        _optional_tensor(op, "num_draft_tokens", num_draft_tokens))
 
 
 def cms_update(sketch: torch.Tensor, keys: torch.Tensor,
@@ -238,7 +334,11 @@ def cms_update(sketch: torch.Tensor, keys: torch.Tensor,
         conservative: raise each hit counter only to (estimate before the call + this call's
             increments for the key). Both modes are independent of the order of keys.
     """
-    _ops.cms_update.default(sketch, keys, increments, conservative)
+    op = "cms_update"
+    if not isinstance(conservative, (bool, numbers.Integral)):
+        _fail(op, f"conservative must be a bool, got {_type_name(conservative)}")
+    _ops.cms_update.default(_tensor(op, "sketch", sketch), _tensor(op, "keys", keys),
+                            _optional_tensor(op, "increments", increments), bool(conservative))
 
 
 def cms_query(sketch: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -248,7 +348,8 @@ def cms_query(sketch: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         sketch: int32 ``[depth, width]``.
         keys: int64 ``[n]``.
     """
-    return _ops.cms_query.default(sketch, keys)
+    op = "cms_query"
+    return _ops.cms_query.default(_tensor(op, "sketch", sketch), _tensor(op, "keys", keys))
 
 
 def cms_decay(sketch: torch.Tensor, shift: int = 1) -> None:
@@ -258,4 +359,5 @@ def cms_decay(sketch: torch.Tensor, shift: int = 1) -> None:
         sketch: int32 ``[depth, width]``. Written.
         shift: bits to shift, 0..31.
     """
-    _ops.cms_decay.default(sketch, int(shift))
+    op = "cms_decay"
+    _ops.cms_decay.default(_tensor(op, "sketch", sketch), _int(op, "shift", shift))
