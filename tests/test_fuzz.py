@@ -484,16 +484,10 @@ def _known_gap(name, label, args):
     regression case's xfail marker goes."""
     if os.environ.get("PAGEDSPEC_FUZZ_ALL") == "1":
         return False
-    if label.startswith("overlapping out") and name in ATTENTION:
-        return True  # -> test_attention_out_rows_overlap
     if label.startswith("overlapping") and name == "reshape_and_cache":
         return True  # an overlapping cache is a duplicate slot -> test_duplicate_slots
-    if label.startswith("alias out = query") and name in ATTENTION:
-        return True  # -> test_attention_out_aliases_query_with_attn_mass
     if label.startswith("alias") and name == "reshape_and_cache":
         return True  # key_cache is value_cache: duplicate writes -> test_duplicate_slots
-    if label.startswith("cu_seqlens_q") and name in ATTENTION:
-        return True  # message names max_q_len -> test_cu_seqlens_not_monotonic_named
     if label.startswith("non-contiguous scale"):
         return name in ("quantize_fp8", "dequantize_fp8")  # -> test_fp8_strided_scale
     return False
@@ -885,8 +879,7 @@ def crash_results():
                  marks=_xfail("conj/neg-bit check on mutable arguments (aborts today)")),
     pytest.param("crash_attention_neg_bit_lse",
                  marks=_xfail("conj/neg-bit check on mutable arguments (aborts today)")),
-    pytest.param("crash_attention_2_31_stride0_heads",
-                 marks=_xfail("attention size/overlap checks (returns unwritten today)")),
+    pytest.param("crash_attention_2_31_stride0_heads"),
 ])
 def test_crash_prone_call_raises_cleanly(crash_results, case):
     assert crash_results[case] == 0, f"exit status {crash_results[case]} " \
@@ -908,7 +901,6 @@ def test_fp8_strided_scale(name):
 
 
 @pytest.mark.parametrize("name", ATTENTION)
-@_xfail("attention out overlap check")
 def test_attention_out_rows_overlap(name):
     args = valid_attention(torch.Generator().manual_seed(0), random.Random(0))
     args["out"] = torch.zeros(1, *args["out"].shape[1:]).expand_as(args["out"])
@@ -916,7 +908,6 @@ def test_attention_out_rows_overlap(name):
 
 
 @pytest.mark.parametrize("name", ATTENTION)
-@_xfail("attention out/query aliasing check with attn_mass")
 def test_attention_out_aliases_query_with_attn_mass(name):
     args = valid_attention(torch.Generator().manual_seed(0), random.Random(0))
     args["attn_mass"] = torch.zeros(args["key_cache"].shape[0] * args["key_cache"].shape[1])
@@ -977,7 +968,6 @@ def test_attention_bad_fp8_scale(which, value):
 
 @pytest.mark.parametrize("value", [0.0, -0.125, float("inf"), float("nan")])
 @pytest.mark.parametrize("name", ATTENTION)
-@_xfail("attention scale check (finite, > 0)")
 def test_attention_bad_softmax_scale(name, value):
     args = valid_attention(torch.Generator().manual_seed(0), random.Random(0))
     args["scale"] = value
@@ -985,7 +975,6 @@ def test_attention_bad_softmax_scale(name, value):
 
 
 @pytest.mark.parametrize("name", ATTENTION)
-@_xfail("cu_seqlens_q monotonicity checked before max_q_len")
 def test_cu_seqlens_not_monotonic_named(name):
     args = valid_attention(torch.Generator().manual_seed(0), random.Random(0))
     args["cu_seqlens_q"] = torch.tensor([0, 4, 3], dtype=torch.int32)
