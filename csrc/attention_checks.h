@@ -11,9 +11,11 @@
 #include <cmath>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "checks.h"
 #include "pagedspec/attention.h"
+#include "pagedspec/attention_plan.h"
 
 namespace pagedspec {
 
@@ -281,6 +283,116 @@ inline void check_attention_indices(const char* op, const AttentionArgs& args,
   }
 }
 
+// paged_attention_run's plan and workspace: dtypes, shapes, device (no contents). Returns the
+// workspace's capacity in partial rows.
+inline int64_t check_plan_tensors(const char* op, const AttentionArgs& args, const at::Tensor& plan,
+                                  const at::Tensor& workspace, const at::Tensor& out,
+                                  const at::Tensor& query, const at::Tensor& key_cache,
+                                  const at::Tensor& value_cache,
+                                  const c10::optional<at::Tensor>& lse,
+                                  const c10::optional<at::Tensor>& attn_mass) {
+  check_dtype(op, "plan", plan, {at::kInt});
+  check_dim(op, "plan", plan, 1);
+  check_contiguous(op, "plan", plan);
+  check_same_device(op, "plan", plan, "query", query);
+  const int64_t fixed = plan_length(args.num_seqs, 0);
+  TORCH_CHECK(plan.numel() >= fixed && (plan.numel() - fixed) % 3 == 0, "pagedspec.", op,
+              ": plan must have ", fixed, " + 3 x capacity elements for ", args.num_seqs,
+              " sequences (from paged_attention_plan), got ", plan.numel());
+  check_dtype(op, "workspace", workspace, {at::kFloat});
+  check_dim(op, "workspace", workspace, 1);
+  check_contiguous(op, "workspace", workspace);
+  check_same_device(op, "workspace", workspace, "query", query);
+  const std::pair<const char*, const at::Tensor*> others[] = {
+      {"out", &out}, {"query", &query}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
+      {"plan", &plan}, {"lse", lse.has_value() ? &*lse : nullptr},
+      {"attn_mass", attn_mass.has_value() ? &*attn_mass : nullptr}};
+  for (const auto& [name, t] : others) {
+    TORCH_CHECK(t == nullptr || !may_share_memory(workspace, *t), "pagedspec.", op,
+                ": workspace must not share memory with ", name, ", got overlapping tensors");
+  }
+  return workspace.numel() / workspace_floats_per_row(args.num_heads, args.head_size);
+}
+
+// A plan's contents against the call (host memory): made for these lengths and this backend,
+// every (sequence, row chunk) covered once per partition it needs, the workspace big enough.
+inline void check_plan_contents(const char* op, const AttentionArgs& args, const int32_t* data,
+                                int64_t plan_numel, const int* seq_lens, const int* cu,
+                                int64_t workspace_rows, int rows_per_item) {
+  const PlanView plan{data};
+  const int64_t B = args.num_seqs;
+  const int64_t capacity = (plan_numel - plan_length(B, 0)) / 3;
+  auto fail = [&](const std::string& what) {
+    TORCH_CHECK(false, "pagedspec.", op, ": plan ", what,
+                " (make it with paged_attention_plan for this step's seq_lens and "
+                "cu_seqlens_q, on this device)");
+  };
+  if (plan.field(kPlanFieldMagic) != kPlanMagic) fail("is not a plan (bad header)");
+  if (plan.num_seqs() != B) {
+    fail("was made for " + std::to_string(plan.num_seqs()) + " sequences, got " +
+         std::to_string(B));
+  }
+  if (plan.field(kPlanFieldNumTokens) != args.num_tokens) {
+    fail("was made for " + std::to_string(plan.field(kPlanFieldNumTokens)) +
+         " query tokens, got " + std::to_string(args.num_tokens));
+  }
+  if (plan.field(kPlanFieldRowsPerItem) != rows_per_item) {
+    fail("was made for another device type (" + std::to_string(plan.field(kPlanFieldRowsPerItem)) +
+         " query rows per item, this backend uses " + std::to_string(rows_per_item) + ")");
+  }
+  const int P = plan.partition_size();
+  const int64_t rows = plan.field(kPlanFieldPartialRows);
+  if (P < 1 || plan.num_items() < 0 || plan.num_items() > capacity ||
+      plan.field(kPlanFieldCapacity) != capacity || rows < 0) {
+    fail("header is inconsistent");
+  }
+  if (rows > workspace_rows) {
+    TORCH_CHECK(false, "pagedspec.", op, ": workspace must hold the plan's ", rows,
+                " partial rows (", rows * workspace_floats_per_row(args.num_heads, args.head_size),
+                " floats), got ", workspace_rows, " rows");
+  }
+  const int G = static_cast<int>(args.num_heads / args.num_kv_heads);
+  std::vector<int64_t> first_chunk(B + 1, 0);  // index of each sequence's first row chunk
+  for (int64_t i = 0; i < B; ++i) {
+    const int q_len = cu[i + 1] - cu[i];
+    const int parts = plan.parts(int(i));
+    const int64_t base = plan.partial_base(int(i));
+    const bool ok = parts == 1
+        ? base == -1
+        : parts == num_partitions_of(seq_lens[i], P) && (q_len == 0 ? base == -1 : base >= 0 &&
+                                                          base + int64_t(q_len) * parts <= rows);
+    if (!ok) fail("does not match sequence " + std::to_string(i) + "'s length or query tokens");
+    first_chunk[i + 1] = first_chunk[i] + (int64_t(q_len) * G + rows_per_item - 1) / rows_per_item;
+  }
+  std::vector<int64_t> seen(first_chunk[B], 0);  // partitions covered per row chunk
+  for (int n = 0; n < plan.num_items(); ++n) {
+    const PlanItem item = plan.item(n);
+    if (item.seq < 0 || item.seq >= B) fail("item " + std::to_string(n) + " names no sequence");
+    const int q_len = cu[item.seq + 1] - cu[item.seq];
+    if (item.row0 < 0 || item.row0 % rows_per_item != 0 || item.row0 >= q_len * G ||
+        item.partition < 0 || item.partition >= plan.parts(item.seq)) {
+      fail("item " + std::to_string(n) + " is out of range");
+    }
+    const int64_t chunk = first_chunk[item.seq] + item.row0 / rows_per_item;
+    if (seen[chunk] != item.partition) {
+      fail("item " + std::to_string(n) + " is out of order or repeated");
+    }
+    ++seen[chunk];
+  }
+  for (int64_t i = 0; i < B; ++i) {
+    const int q_len = cu[i + 1] - cu[i];
+    for (int row0 = 0; row0 < q_len * G; row0 += rows_per_item) {
+      const int last = std::min(row0 + rows_per_item, q_len * G) - 1;
+      const int limit = causal_limit(seq_lens[i], q_len, last / G);
+      const int needed = plan.parts(int(i)) == 1 ? 1 : limit / P + 1;
+      if (seen[first_chunk[i] + row0 / rows_per_item] != needed) {
+        fail("does not cover sequence " + std::to_string(i) + "'s rows " + std::to_string(row0) +
+             ".. (" + std::to_string(needed) + " partitions needed)");
+      }
+    }
+  }
+}
+
 // Kernel parameters from validated tensors, for the CPU and CUDA launchers alike. QT / CacheT are
 // the backend's scalar types (at::Half on CPU, __half on CUDA): the tensors' bits are the same.
 template <typename QT, typename CacheT>
@@ -319,6 +431,15 @@ PagedAttentionParams<QT, CacheT> make_attention_params(
   p.max_partitions = 1;
   return p;
 }
+
+#ifdef PAGEDSPEC_WITH_CUDA
+// Attention CTAs that run at once on a CUDA device (SMs x resident CTAs per SM), for the planner;
+// device_index -1 is the current device. Defined in cuda/attention.cu.
+int64_t cuda_attention_slots(int device_index);
+#endif
+// The CUDA planner splits until the tasks fill this many waves of cuda_attention_slots (the v1
+// dispatcher's rule: with fewer waves, the last one leaves SMs idle).
+constexpr int kCudaPlanWaves = 4;
 
 // Which kernel an entry point runs: v1, v2, or the backend's dispatcher rule.
 enum class Variant { kV1, kV2, kAuto };

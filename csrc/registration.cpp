@@ -35,6 +35,23 @@ TORCH_LIBRARY(pagedspec, m) {
       "Tensor? k_scale=None, Tensor? v_scale=None, Tensor(b!)? lse=None, "
       "Tensor(c!)? attn_mass=None) -> ()");
 
+  // Split-KV plan for a step (host-resident seq_lens / cu_seqlens_q, int32): which work items
+  // paged_attention_run launches and where partial results go, chosen from the real lengths and
+  // the device (partition_size: 0 chooses, -1 never splits, > 0 forces). max_items /
+  // max_partial_rows bound the plan (and size it: a CUDA graph captured with one plan runs any
+  // plan made with the same bounds). Returns int32 [8 + 2 * num_seqs + 3 * capacity] on the CPU.
+  m.def(
+      "paged_attention_plan(Tensor seq_lens, Tensor cu_seqlens_q, int num_heads, "
+      "int num_kv_heads, Device device, int partition_size=0, int max_items=-1, "
+      "int max_partial_rows=-1) -> Tensor");
+  // paged_attention through a plan (on query's device) and a float32 workspace holding the
+  // plan's partial rows; same meaning and arguments as paged_attention.
+  m.def(
+      "paged_attention_run(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor seq_lens, Tensor cu_seqlens_q, int max_q_len, float scale, "
+      "Tensor plan, Tensor(b!) workspace, Tensor? k_scale=None, Tensor? v_scale=None, "
+      "Tensor(c!)? lse=None, Tensor(d!)? attn_mass=None) -> ()");
+
   // out = saturate(input / scale) as FP8 (scale: [] or [input.size(-2)]).
   m.def("quantize_fp8(Tensor(a!) out, Tensor input, Tensor scale) -> ()");
   // out = fp8 input * scale, in out's dtype.

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -39,12 +40,13 @@
 #include "attention_checks.h"
 #include "cpu/cpu_types.h"
 #include "pagedspec/attention.h"
+#include "pagedspec/attention_plan.h"
 
 namespace pagedspec {
 namespace {
 
 constexpr int kTile = 32;      // positions decoded and scored together
-constexpr int kMaxRows = 32;   // query rows (tokens x heads of one group) per task
+constexpr int kMaxRows = kCpuAttentionRows;  // query rows (tokens x heads of a group) per task
 constexpr int kMassTile = 256; // positions per attn_mass task
 constexpr int kScoreTokens = 4; // key rows per score block (with 4 query rows: 16 dot products)
 
@@ -511,30 +513,37 @@ class CpuPagedAttention {
     }
   }
 
-  // v2 epilogue: the partition's partial state per row.
-  void write_partial(const Task& task, const Workspace& ws) const {
+  // Split epilogue: the partition's partial state per row, at its partial row of the plan.
+  void write_partial(const Task& task, const Workspace& ws, const PlanView& plan) const {
     const int D = p_.head_size;
+    const int first = p_.cu_seqlens_q[task.seq];
+    const int parts = plan.parts(task.seq);
+    const int64_t base = plan.partial_base(task.seq);
     for (int r = 0; r < task.num_rows; ++r) {
       const RowInfo& info = ws.rows[r];
       const int64_t idx =
-          (int64_t(info.token) * p_.num_heads + info.head) * p_.max_partitions + task.partition;
+          (base + int64_t(info.token - first) * parts + task.partition) * p_.num_heads + info.head;
       p_.part_max[idx] = ws.state[r].max;
       p_.part_sum[idx] = ws.state[r].sum;
       std::copy_n(ws.acc.data() + size_t(r) * D, D, p_.part_acc + idx * D);
     }
   }
 
-  // v2 reduction for one (query token, head): folds the partitions the row can see.
-  void merge_partitions(int token, int head, int limit, float* acc) const {
+  // Split reduction for one (query token, head) of a split sequence: folds the partitions the
+  // row can see.
+  void merge_partitions(int seq, int token, int head, const PlanView& plan, float* acc) const {
     const int D = p_.head_size;
-    const int64_t base = (int64_t(token) * p_.num_heads + head) * p_.max_partitions;
-    const int parts = limit / kPartitionSize + 1;
+    const int first = p_.cu_seqlens_q[seq];
+    const int q_len = p_.cu_seqlens_q[seq + 1] - first;
+    const int limit = causal_limit(p_.seq_lens[seq], q_len, token - first);
+    const int parts = std::min(plan.parts(seq), limit / plan.partition_size() + 1);
+    const int64_t row = plan.partial_base(seq) + int64_t(token - first) * plan.parts(seq);
     SoftmaxState st = SoftmaxState::empty();
     std::fill(acc, acc + D, 0.0f);
     for (int k = 0; k < parts; ++k) {
-      const SoftmaxState part{p_.part_max[base + k], p_.part_sum[base + k]};
-      const SoftmaxMerge m = merge_softmax(st, part);
-      const float* part_acc = p_.part_acc + (base + k) * D;
+      const int64_t idx = (row + k) * p_.num_heads + head;
+      const SoftmaxMerge m = merge_softmax(st, SoftmaxState{p_.part_max[idx], p_.part_sum[idx]});
+      const float* part_acc = p_.part_acc + idx * D;
 #pragma omp simd
       for (int d = 0; d < D; ++d) acc[d] = acc[d] * m.weight_a + part_acc[d] * m.weight_b;
       st = m.state;
@@ -595,35 +604,36 @@ class CpuPagedAttention {
   const PagedAttentionParams<QT, CacheT>& p_;
 };
 
-// Dispatcher rule (CPU): v2 when v1 would leave threads idle on a long context, i.e. fewer than
-// two v1 tasks per thread and a context of at least two partitions; v1 otherwise.
-bool cpu_prefers_v2(int64_t v1_tasks, int64_t longest_context) {
-  return v1_tasks < 2 * int64_t(at::get_num_threads()) &&
-         longest_context >= 2 * int64_t(kPartitionSize);
+// The plan's work items as CPU tasks: one per (item, KV head).
+template <typename QT, typename CacheT>
+std::vector<Task> plan_tasks(const PagedAttentionParams<QT, CacheT>& p, const PlanView& plan) {
+  const int G = p.group_size();
+  const int P = plan.partition_size();
+  std::vector<Task> tasks;
+  tasks.reserve(size_t(plan.num_items()) * p.num_kv_heads);
+  for (int i = 0; i < plan.num_items(); ++i) {
+    const PlanItem item = plan.item(i);
+    const int q_len = p.cu_seqlens_q[item.seq + 1] - p.cu_seqlens_q[item.seq];
+    const int seq_len = p.seq_lens[item.seq];
+    const bool split = plan.parts(item.seq) > 1;
+    const int begin = split ? item.partition * P : 0;
+    const int end = split ? std::min(seq_len, begin + P) : seq_len;
+    for (int kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
+      tasks.push_back(Task{item.seq, kv_head, item.row0, std::min(kMaxRows, q_len * G - item.row0),
+                           begin, end, item.partition});
+    }
+  }
+  return tasks;
 }
 
 template <typename QT, typename CacheT, CacheFormat F>
-void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, Variant variant,
-             const at::Tensor& query) {
+void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, const PlanView& plan,
+             float* workspace, const at::Tensor& query) {
   CpuPagedAttention<QT, CacheT, F> kernel(p);
-  const int G = p.group_size();
-
-  // Task lists from the (host-resident, validated) index tensors.
-  std::vector<Task> v1_tasks;
-  int64_t longest = 0;
-  for (int seq = 0; seq < p.num_seqs; ++seq) {
-    const int q_len = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
-    longest = std::max<int64_t>(longest, p.seq_lens[seq]);
-    for (int kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
-      for (int row0 = 0; row0 < q_len * G; row0 += kMaxRows) {
-        v1_tasks.push_back(
-            Task{seq, kv_head, row0, std::min(kMaxRows, q_len * G - row0), 0, p.seq_lens[seq], 0});
-      }
-    }
-  }
-  if (variant == Variant::kAuto) {
-    variant = cpu_prefers_v2(int64_t(v1_tasks.size()), longest) ? Variant::kV2 : Variant::kV1;
-  }
+  const int64_t R = plan.field(kPlanFieldPartialRows);
+  p.part_acc = workspace;
+  p.part_max = workspace == nullptr ? nullptr : workspace + R * p.num_heads * p.head_size;
+  p.part_sum = workspace == nullptr ? nullptr : p.part_max + R * p.num_heads;
 
   // attn_mass needs the final LSE: the caller's buffer, or a scratch one.
   at::Tensor lse_scratch;
@@ -632,58 +642,36 @@ void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, Var
     p.lse = lse_scratch.data_ptr<float>();
   }
 
-  if (variant == Variant::kV1) {
-    at::parallel_for(0, int64_t(v1_tasks.size()), 1, [&](int64_t begin, int64_t end) {
-      typename CpuPagedAttention<QT, CacheT, F>::Workspace ws(p.head_size);
-      for (int64_t i = begin; i < end; ++i) {
-        kernel.attend(v1_tasks[i], ws);
-        kernel.write_final(v1_tasks[i], ws);
-      }
-    });
-  } else {
-    const int64_t P = args.max_partitions();
-    p.max_partitions = static_cast<int>(P);
-    const auto fopts = query.options().dtype(at::kFloat);
-    at::Tensor part_acc = at::empty({args.num_tokens, args.num_heads, P, args.head_size}, fopts);
-    at::Tensor part_max = at::empty({args.num_tokens, args.num_heads, P}, fopts);
-    at::Tensor part_sum = at::empty({args.num_tokens, args.num_heads, P}, fopts);
-    p.part_acc = part_acc.data_ptr<float>();
-    p.part_max = part_max.data_ptr<float>();
-    p.part_sum = part_sum.data_ptr<float>();
-    std::vector<Task> tasks;
-    for (const Task& t : v1_tasks) {
-      for (int k = 0; k * kPartitionSize < t.pos_end; ++k) {
-        Task part = t;
-        part.partition = k;
-        part.pos_begin = k * kPartitionSize;
-        part.pos_end = std::min(t.pos_end, (k + 1) * kPartitionSize);
-        // A partition past every row's causal limit is never merged: skip it.
-        if (part.pos_begin <= kernel.row_info(t.seq, t.kv_head, t.row_begin + t.num_rows - 1).limit) {
-          tasks.push_back(part);
-        }
+  const std::vector<Task> tasks = plan_tasks(p, plan);
+  at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    typename CpuPagedAttention<QT, CacheT, F>::Workspace ws(p.head_size);
+    for (int64_t i = begin; i < end; ++i) {
+      kernel.attend(tasks[i], ws);
+      if (plan.parts(tasks[i].seq) > 1) {
+        kernel.write_partial(tasks[i], ws, plan);
+      } else {
+        kernel.write_final(tasks[i], ws);
       }
     }
-    at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-      typename CpuPagedAttention<QT, CacheT, F>::Workspace ws(p.head_size);
-      for (int64_t i = begin; i < end; ++i) {
-        kernel.attend(tasks[i], ws);
-        kernel.write_partial(tasks[i], ws);
-      }
-    });
-    // Reduction over (query token, head).
-    std::vector<int> token_seq(p.num_tokens);
+  });
+
+  if (R > 0) {
+    // Reduction over the (query token, head) rows of split sequences.
+    std::vector<int> split_tokens, token_seq;
     for (int seq = 0; seq < p.num_seqs; ++seq) {
-      for (int t = p.cu_seqlens_q[seq]; t < p.cu_seqlens_q[seq + 1]; ++t) token_seq[t] = seq;
+      if (plan.parts(seq) <= 1) continue;
+      for (int t = p.cu_seqlens_q[seq]; t < p.cu_seqlens_q[seq + 1]; ++t) {
+        split_tokens.push_back(t);
+        token_seq.push_back(seq);
+      }
     }
-    at::parallel_for(0, int64_t(p.num_tokens) * p.num_heads, 16, [&](int64_t begin, int64_t end) {
+    const int64_t rows = int64_t(split_tokens.size()) * p.num_heads;
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(p.head_size);
       for (int64_t i = begin; i < end; ++i) {
-        const int token = static_cast<int>(i / p.num_heads);
-        const int head = static_cast<int>(i % p.num_heads);
-        const int seq = token_seq[token];
-        const int q_len = p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq];
-        const int limit = causal_limit(p.seq_lens[seq], q_len, token - p.cu_seqlens_q[seq]);
-        kernel.merge_partitions(token, head, limit, acc.data());
+        const int64_t t = i / p.num_heads;
+        kernel.merge_partitions(token_seq[t], split_tokens[t], int(i % p.num_heads), plan,
+                                acc.data());
       }
     });
   }
@@ -698,6 +686,42 @@ void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, Var
     }
     kernel.mass_pass(p.lse, mass_tasks);
   }
+}
+
+// The CPU planner's inputs: query-row chunks of kMaxRows, and at most two tasks per thread once
+// split (below that, threads idle at the end of a step; above it, splitting only adds merges).
+PlanRequest cpu_plan_request(const AttentionArgs& args, const int* seq_lens,
+                             const int* cu_seqlens_q, int forced_partition) {
+  PlanRequest r{};
+  r.seq_lens = seq_lens;
+  r.cu_seqlens_q = cu_seqlens_q;
+  r.num_seqs = static_cast<int>(args.num_seqs);
+  r.group_size = static_cast<int>(args.num_heads / args.num_kv_heads);
+  r.num_kv_heads = static_cast<int>(args.num_kv_heads);
+  r.rows_per_item = kMaxRows;
+  r.concurrency = at::get_num_threads();
+  r.waves = 2;
+  r.forced_partition = forced_partition;
+  return r;
+}
+
+// Runs one validated call through a plan: the caller's (paged_attention_run), or one built here
+// from the host-resident lengths (v1: never split; v2: kPartitionSize partitions; the dispatcher:
+// the planner's choice).
+void run_planned(const char* op, at::Tensor& out, const at::Tensor& query,
+                 const at::Tensor& key_cache, const at::Tensor& value_cache,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                 const at::Tensor& cu_seqlens_q, double scale,
+                 const c10::optional<at::Tensor>& lse, const c10::optional<at::Tensor>& attn_mass,
+                 const AttentionArgs& args, const PlanView& plan, float* workspace) {
+  PAGEDSPEC_DISPATCH_ACTIVATION(query.scalar_type(), op, "query", [&] {
+    PAGEDSPEC_DISPATCH_CACHE_FORMAT(args.format, [&] {
+      auto p = make_attention_params<scalar_t, cache_t>(out, query, key_cache, value_cache,
+                                                        block_tables, seq_lens, cu_seqlens_q,
+                                                        scale, lse, attn_mass, args);
+      run_cpu<scalar_t, cache_t, kCacheFormat>(p, args, plan, workspace, query);
+    });
+  });
 }
 
 void paged_attention_cpu_impl(const char* op, Variant variant, at::Tensor& out,
@@ -715,14 +739,114 @@ void paged_attention_cpu_impl(const char* op, Variant variant, at::Tensor& out,
                       /*allow_float32=*/true);
   check_attention_indices(op, args, block_tables, seq_lens, cu_seqlens_q);
   if (args.num_tokens == 0 || args.num_seqs == 0) return;
-  PAGEDSPEC_DISPATCH_ACTIVATION(query.scalar_type(), op, "query", [&] {
-    PAGEDSPEC_DISPATCH_CACHE_FORMAT(args.format, [&] {
-      auto p = make_attention_params<scalar_t, cache_t>(out, query, key_cache, value_cache,
-                                                        block_tables, seq_lens, cu_seqlens_q,
-                                                        scale, lse, attn_mass, args);
-      run_cpu<scalar_t, cache_t, kCacheFormat>(p, args, variant, query);
-    });
-  });
+  const int forced = variant == Variant::kV1 ? -1 : (variant == Variant::kV2 ? kPartitionSize : 0);
+  const PlanRequest request = cpu_plan_request(args, seq_lens.const_data_ptr<int>(),
+                                               cu_seqlens_q.const_data_ptr<int>(), forced);
+  const int partition = choose_partition(request);
+  const int64_t items = plan_shape(request, partition).num_items;
+  std::vector<int32_t> plan(plan_length(args.num_seqs, items));
+  write_plan(request, partition, items, static_cast<int>(args.num_tokens), plan.data());
+  const PlanView view{plan.data()};
+  at::Tensor workspace;
+  const int64_t rows = view.field(kPlanFieldPartialRows);
+  if (rows > 0) {
+    workspace = at::empty({rows * workspace_floats_per_row(args.num_heads, args.head_size)},
+                          query.options().dtype(at::kFloat));
+  }
+  run_planned(op, out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+              lse, attn_mass, args, view, rows > 0 ? workspace.data_ptr<float>() : nullptr);
+}
+
+// paged_attention_plan: the plan for a step's host-resident lengths, for the CPU or a CUDA device.
+at::Tensor paged_attention_plan_cpu(const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                                    int64_t num_heads, int64_t num_kv_heads, c10::Device device,
+                                    int64_t partition_size, int64_t max_items,
+                                    int64_t max_partial_rows) {
+  const char* op = "paged_attention_plan";
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"seq_lens", &seq_lens},
+                                {"cu_seqlens_q", &cu_seqlens_q}}) {
+    check_dtype(op, name, *t, {at::kInt});
+    check_dim(op, name, *t, 1);
+    check_contiguous(op, name, *t);
+    TORCH_CHECK(t->device().is_cpu(), "pagedspec.", op, ": ", name,
+                " must be on the CPU (the plan is made on the host before the step), got ",
+                t->device());
+  }
+  const int64_t B = seq_lens.size(0);
+  check_size(op, "cu_seqlens_q", cu_seqlens_q, 0, B + 1, "num_seqs + 1");
+  TORCH_CHECK(num_kv_heads >= 1 && num_heads >= 1 && num_heads % num_kv_heads == 0 &&
+                  num_heads < (int64_t(1) << 31),
+              "pagedspec.", op, ": num_heads must be a positive multiple of num_kv_heads, got ",
+              num_heads, " and ", num_kv_heads);
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(), "pagedspec.", op,
+              ": device must be cpu or cuda, got ", device);
+  TORCH_CHECK(partition_size >= -1 && partition_size < (int64_t(1) << 31), "pagedspec.", op,
+              ": partition_size must be 0 (choose), -1 (never split) or a positive size, got ",
+              partition_size);
+  const int* lens = seq_lens.const_data_ptr<int>();
+  const int* cu = cu_seqlens_q.const_data_ptr<int>();
+  TORCH_CHECK(B == 0 || cu[0] == 0, "pagedspec.", op, ": cu_seqlens_q[0] must be 0, got ", cu[0]);
+  for (int64_t i = 0; i < B; ++i) {
+    TORCH_CHECK(cu[i + 1] >= cu[i], "pagedspec.", op, ": cu_seqlens_q must be non-decreasing, got ",
+                "cu_seqlens_q[", i, "] = ", cu[i], " > cu_seqlens_q[", i + 1, "] = ", cu[i + 1]);
+    TORCH_CHECK(lens[i] >= cu[i + 1] - cu[i], "pagedspec.", op, ": seq_lens[", i,
+                "] must be >= its q_len, got seq_len = ", lens[i], ", q_len = ", cu[i + 1] - cu[i]);
+  }
+  const AttentionArgs shape{CacheFormat::kNative, {}, {}, B == 0 ? 0 : cu[B], B, num_heads,
+                            num_kv_heads, 0, 0, 1, 0, 0};
+  PlanRequest request = cpu_plan_request(shape, lens, cu, static_cast<int>(partition_size));
+  if (device.is_cuda()) {
+#ifdef PAGEDSPEC_WITH_CUDA
+    request.rows_per_item = kCudaAttentionRows;
+    request.concurrency = cuda_attention_slots(device.has_index() ? device.index() : -1);
+    request.waves = kCudaPlanWaves;
+#else
+    TORCH_CHECK(false, "pagedspec.", op, ": device is ", device,
+                " but this build of pagedspec has no CUDA kernels");
+#endif
+  }
+  request.max_items = max_items;
+  request.max_partial_rows = max_partial_rows;
+  const int partition = choose_partition(request);
+  const PlanShape unsplit = plan_shape(request, std::numeric_limits<int>::max());
+  TORCH_CHECK(partition > 0, "pagedspec.", op, ": max_items (", max_items, ") or max_partial_rows (",
+              max_partial_rows, ") is too small for this step: ",
+              request.forced_partition > 0 ? "the forced partition" : "even an unsplit plan",
+              " needs ", request.forced_partition > 0
+                  ? plan_shape(request, request.forced_partition).num_items : unsplit.num_items,
+              " items");
+  const int64_t items = plan_shape(request, partition).num_items;
+  const int64_t capacity = max_items > 0 ? max_items : items;
+  at::Tensor plan = at::empty({plan_length(B, capacity)}, seq_lens.options());
+  write_plan(request, partition, capacity, static_cast<int>(shape.num_tokens),
+             plan.data_ptr<int32_t>());
+  return plan;
+}
+
+void paged_attention_run_cpu(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                             int64_t max_q_len, double scale, const at::Tensor& plan,
+                             at::Tensor& workspace, const c10::optional<at::Tensor>& k_scale,
+                             const c10::optional<at::Tensor>& v_scale,
+                             const c10::optional<at::Tensor>& lse,
+                             const c10::optional<at::Tensor>& attn_mass) {
+  const char* op = "paged_attention_run";
+  const AttentionArgs args =
+      check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens,
+                      cu_seqlens_q, max_q_len, scale, k_scale, v_scale, lse, attn_mass,
+                      /*allow_float32=*/true);
+  check_attention_indices(op, args, block_tables, seq_lens, cu_seqlens_q);
+  const int64_t rows =
+      check_plan_tensors(op, args, plan, workspace, out, query, key_cache, value_cache, lse,
+                         attn_mass);
+  check_plan_contents(op, args, plan.const_data_ptr<int32_t>(), plan.numel(),
+                      seq_lens.const_data_ptr<int>(), cu_seqlens_q.const_data_ptr<int>(), rows,
+                      kMaxRows);
+  if (args.num_tokens == 0 || args.num_seqs == 0) return;
+  run_planned(op, out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+              lse, attn_mass, args, PlanView{plan.const_data_ptr<int32_t>()},
+              workspace.numel() > 0 ? workspace.data_ptr<float>() : nullptr);
 }
 
 PAGEDSPEC_ATTENTION_ENTRY(paged_attention_v1_cpu, paged_attention_cpu_impl, "paged_attention_v1",
@@ -738,6 +862,14 @@ TORCH_LIBRARY_IMPL(pagedspec, CPU, m) {
   m.impl("paged_attention_v1", &paged_attention_v1_cpu);
   m.impl("paged_attention_v2", &paged_attention_v2_cpu);
   m.impl("paged_attention", &paged_attention_dispatch_cpu);
+  m.impl("paged_attention_plan", &paged_attention_plan_cpu);
+  m.impl("paged_attention_run", &paged_attention_run_cpu);
+}
+
+// The planner reads host memory whatever the device it plans for; registered for CUDA too so
+// that CUDA-resident lengths get its "must be on the CPU" error rather than the dispatcher's.
+TORCH_LIBRARY_IMPL(pagedspec, CUDA, m) {
+  m.impl("paged_attention_plan", &paged_attention_plan_cpu);
 }
 
 }  // namespace pagedspec

@@ -1,40 +1,45 @@
-// CUDA kernels for paged_attention_v1 / paged_attention_v2 / paged_attention.
+// CUDA kernels for paged_attention_v1 / v2 / paged_attention / paged_attention_run.
 //
-// One CTA serves one (sequence, KV head, partition, chunk of up to 4 query rows). Its rows are
-// the query tokens x query heads of that KV head's group, so for decode with groups up to 4 every
-// K/V byte of the partition is read from memory once for the whole group, not once per query
-// head (longer row lists, e.g. verification, run as several CTAs over the same K/V, whose
-// re-reads mostly hit L2).
+// One CTA serves one work item: (sequence, KV head, chunk of up to kRows query rows, range of
+// positions). Its rows are the query tokens x query heads of that KV head's group, so for decode
+// with groups up to 4 every K/V byte of the range is read from memory once for the whole group
+// (longer row lists, e.g. verification, run as several CTAs over the same K/V, whose re-reads
+// mostly hit L2). Where the work items come from:
+//   plan (paged_attention_run): blockIdx.x indexes the plan's items (attention_plan.h), made on
+//     the host from the step's real lengths; padding items exit at once.
+//   grid (v1 / v2 / paged_attention): blockIdx.x = (sequence, row chunk) and blockIdx.y =
+//     (partition, KV head), with the partition count from the block table's width (the lengths
+//     live on the device): padded tables cost idle CTAs and scratch, which the plan avoids.
 //
-// Inside a CTA, each warp takes steps of kStep positions; a position's K (and V) row is split
-// across D / 16 lanes, each loading its 16 elements with 16-byte loads (two for half/bf16, one
-// for FP8) and decoding them in registers. A lane keeps its slice of every row's scaled query and
-// output accumulator in registers; scores are reduced over the lanes of a position with
-// shuffles. Each lane group runs its own online softmax (include/pagedspec/attention.h, the
-// helpers the CPU kernel uses), and the groups, then the warps, are merged with merge_softmax at
-// the end. Nothing about the context length lives in shared memory, so v1 handles any length.
+// The kernel's steps (named functions below): locate the work, load the scaled queries, then per
+// step of kStep positions per warp: load K/V, score, fold into the online softmax, accumulate
+// P.V; finally merge the lane groups and warps and write out/lse (direct) or a partial result
+// (split), which reduce_partitions_kernel merges. Each lane owns 16 consecutive head dimensions
+// of a position (16-byte loads, decoded in registers); scores are reduced over the lanes of a
+// position with shuffles; the softmax helpers are include/pagedspec/attention.h's, as on CPU.
+// What a row may not see never enters its softmax or accumulator (selected, not multiplied by a
+// zero weight), so inf/NaN in a later draft token's K/V cannot reach an earlier token.
 //
-// v1: one partition spanning the context; the CTA writes out and lse directly.
-// v2: partitions of kPartitionSize positions in separate CTAs, each writing a partial
-//     (acc, max, sum) to scratch, merged by reduce_partitions_kernel.
-// attn_mass: a second launch of the same kernel in "mass mode" after the final LSE is known; it
-//     recomputes the scores and atomically adds each position's probability (summed over the
-//     CTA's rows) to its slot. The fast path does not pay for it.
+// attn_mass: attn_mass_kernel, after the final LSE is known, recomputes the scores and atomically
+// adds each position's probability (summed over the CTA's rows) to its slot.
 //
 // FP8: codes are converted to float exactly (hardware e4m3/e5m2 -> f16x2, then f16 -> f32; every
 // FP8 value is representable in f16, so this equals fp8_to_float in include/pagedspec/fp8.h) and
 // the per-head scales are folded in: k_scale into the query scaling, v_scale into the output.
-// stored * scale is thus applied exactly as the contract says, up to float rounding order.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <cuda_fp8.h>
 
+#include <climits>
+#include <iterator>
 #include <type_traits>
+#include <utility>
 
 #include "attention_checks.h"
 #include "cuda/cuda_utils.cuh"
 #include "pagedspec/attention.h"
+#include "pagedspec/attention_plan.h"
 
 namespace pagedspec {
 namespace {
@@ -68,7 +73,7 @@ struct Layout {
   static constexpr int kGroups = kWarpSize / kLanes;              // positions a warp loads at once
   static constexpr int kUnroll = 2;                               // positions per group per step
   static constexpr int kStep = kGroups * kUnroll;                 // positions per warp step
-  static constexpr int kRows = 4;                                 // query rows per CTA
+  static constexpr int kRows = kCudaAttentionRows;                // query rows per CTA (4)
   static_assert(D % kElems == 0, "head size must be a multiple of 16");
   static_assert(kLanes <= kWarpSize, "a row must fit in one warp");
 };
@@ -106,33 +111,184 @@ __device__ __forceinline__ void decode_vector(const uint4& raw, float* out) {
   }
 }
 
-// The row (query token j, head g of the group) numbering of a CTA: row = j * G + g.
-struct RowPlace {
-  int token;  // query / out / lse row
-  int head;   // query head
-  int limit;  // last visible position, -1 for a padding row
+// What one CTA computes, uniform across the CTA. Rows are numbered within the sequence as
+// row = j * G + g for query token j and head g of the KV head's group.
+struct CtaWork {
+  int seq;
+  int kv_head;
+  int row0;          // first row
+  int num_rows;      // rows in this CTA (<= kRows)
+  int q_begin;       // the sequence's first query token
+  int q_len;
+  int seq_len;
+  int ctx_begin;     // positions read: [ctx_begin, ctx_end)
+  int ctx_end;
+  bool split;        // partial result (merged by reduce_partitions_kernel) instead of out / lse
+  int64_t partial_row;  // split: partial row of the CTA's first query token
+  int parts;         // split: partitions of the sequence (partial rows per query token)
 };
 
-template <typename QT, typename CacheT>
-__device__ __forceinline__ RowPlace place_row(const PagedAttentionParams<QT, CacheT>& p, int row,
-                                              int num_rows, int q_begin, int q_len, int seq_len,
-                                              int kv_head) {
+// Locates the CTA's work from the plan or from the grid. False: nothing to do (a padding item,
+// or an unchecked bad input, clamped so that nothing is read or written out of bounds).
+template <int kRows, typename QT, typename CacheT>
+__device__ __forceinline__ bool locate_work(const PagedAttentionParams<QT, CacheT>& p,
+                                            CtaWork& w) {
+  int part, partition_size;
+  if (p.plan != nullptr) {
+    const PlanView plan{p.plan};
+    if (plan.num_seqs() != p.num_seqs || int(blockIdx.x) >= plan.num_items()) return false;
+    const PlanItem item = plan.item(blockIdx.x);
+    if (item.seq < 0 || item.seq >= p.num_seqs) return false;
+    w.seq = item.seq;
+    w.row0 = item.row0;
+    w.kv_head = blockIdx.y;
+    w.parts = plan.parts(w.seq);
+    w.split = w.parts > 1 && plan.partial_base(w.seq) >= 0;
+    w.partial_row = plan.partial_base(w.seq);
+    part = w.split ? item.partition : 0;
+    partition_size = w.split ? plan.partition_size() : INT_MAX;
+  } else {
+    w.seq = blockIdx.x / p.row_chunks;
+    w.row0 = (blockIdx.x % p.row_chunks) * kRows;
+    w.kv_head = blockIdx.y % p.num_kv_heads;
+    part = blockIdx.y / p.num_kv_heads;
+    partition_size = p.partition_size;
+    w.parts = p.max_partitions;
+    w.split = p.part_acc != nullptr;
+    w.partial_row = int64_t(p.cu_seqlens_q[w.seq]) * p.max_partitions;
+  }
+  w.q_begin = p.cu_seqlens_q[w.seq];
+  w.q_len = p.cu_seqlens_q[w.seq + 1] - w.q_begin;
+  if (w.q_len <= 0 || w.q_begin < 0 || w.q_begin + w.q_len > p.num_tokens) return false;
   const int G = p.group_size();
-  if (row >= num_rows) return RowPlace{q_begin, kv_head * G, -1};
-  return RowPlace{q_begin + row / G, kv_head * G + row % G, causal_limit(seq_len, q_len, row / G)};
+  if (w.row0 < 0 || w.row0 >= w.q_len * G) return false;
+  w.num_rows = min(kRows, w.q_len * G - w.row0);
+  w.seq_len = min(p.seq_lens[w.seq], p.max_blocks_per_seq << p.block_shift);
+  w.partial_row += int64_t(w.row0 / G) * w.parts + part;
+  const int last_limit = causal_limit(w.seq_len, w.q_len, (w.row0 + w.num_rows - 1) / G);
+  w.ctx_begin = int(min(int64_t(part) * partition_size, int64_t(INT_MAX)));
+  w.ctx_end = min(w.seq_len, last_limit + 1);
+  if (int64_t(w.ctx_begin) + partition_size < w.ctx_end) w.ctx_end = w.ctx_begin + partition_size;
+  return true;
+}
+
+// The CTA's row r: query / out / lse token, query head, last visible position (-1: padding).
+struct RowPlace {
+  int token;
+  int head;
+  int limit;
+};
+
+__device__ __forceinline__ RowPlace place_row(const CtaWork& w, int r, int G) {
+  const int row = w.row0 + r;
+  if (r >= w.num_rows) return RowPlace{w.q_begin, w.kv_head * G, -1};
+  return RowPlace{w.q_begin + row / G, w.kv_head * G + row % G,
+                  causal_limit(w.seq_len, w.q_len, row / G)};
+}
+
+// This lane's 16-dimension slice of every row's query, scaled into the log2 domain (k_scale
+// folded in for FP8); zeros for padding rows and for lanes past the head size.
+template <int kRows, int kElems, typename QT, typename CacheT>
+__device__ __forceinline__ void load_queries(const PagedAttentionParams<QT, CacheT>& p,
+                                             const CtaWork& w, float q_scale, int slice,
+                                             bool active, float (&q)[kRows][kElems],
+                                             int (&limit)[kRows]) {
+  const int G = p.group_size();
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const RowPlace place = place_row(w, r, G);
+    limit[r] = place.limit;
+    const QT* src = p.query + int64_t(place.token) * p.q_token_stride +
+                    int64_t(place.head) * p.q_head_stride + slice * kElems;
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) {
+      q[r][e] = (r < w.num_rows && active) ? ScalarConvert<QT>::to_float(src[e]) * q_scale : 0.0f;
+    }
+  }
+}
+
+// One step's K (and V) rows: this lane's 16-byte slices of positions pos[u]; positions at or
+// past ctx_end are never loaded (unused slots stay unread).
+template <typename L, typename QT, typename CacheT>
+__device__ __forceinline__ void load_kv(const PagedAttentionParams<QT, CacheT>& p,
+                                        const CtaWork& w, int base, int group, int slice,
+                                        bool active, bool with_values,
+                                        int (&pos)[L::kUnroll],
+                                        uint4 (&kraw)[L::kUnroll][L::kLoads],
+                                        uint4 (&vraw)[L::kUnroll][L::kLoads]) {
+#pragma unroll
+  for (int u = 0; u < L::kUnroll; ++u) {
+    pos[u] = base + u * L::kGroups + group;
+#pragma unroll
+    for (int i = 0; i < L::kLoads; ++i) {
+      kraw[u][i] = make_uint4(0, 0, 0, 0);
+      vraw[u][i] = make_uint4(0, 0, 0, 0);
+    }
+    if (pos[u] < w.ctx_end && active) {
+      const int64_t off = p.cache_offset(w.seq, pos[u], w.kv_head) + slice * L::kElems;
+      const uint4* k_src = reinterpret_cast<const uint4*>(p.key_cache + off);
+      const uint4* v_src = reinterpret_cast<const uint4*>(p.value_cache + off);
+#pragma unroll
+      for (int i = 0; i < L::kLoads; ++i) kraw[u][i] = __ldg(k_src + i);
+      if (with_values) {
+#pragma unroll
+        for (int i = 0; i < L::kLoads; ++i) vraw[u][i] = __ldg(v_src + i);
+      }
+    }
+  }
+}
+
+// s[u][r] = q[r] . k[u]: partial dot products over this lane's slice, summed over the kLanes
+// lanes of the position (every lane of the group ends with the full score). Padding rows are
+// scored too (query 0): no per-row branches in the hot loop.
+template <typename L, typename CacheT, CacheFormat F>
+__device__ __forceinline__ void score(const uint4 (&kraw)[L::kUnroll][L::kLoads],
+                                      const float (&q)[L::kRows][L::kElems],
+                                      float (&s)[L::kUnroll][L::kRows]) {
+#pragma unroll
+  for (int u = 0; u < L::kUnroll; ++u) {
+    float kf[L::kElems];
+#pragma unroll
+    for (int i = 0; i < L::kLoads; ++i) decode_vector<CacheT, F>(kraw[u][i], kf + i * L::kVec);
+#pragma unroll
+    for (int r = 0; r < L::kRows; ++r) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int e = 0; e < L::kElems; ++e) dot = fmaf(q[r][e], kf[e], dot);
+#pragma unroll
+      for (int off = L::kLanes / 2; off > 0; off /= 2) dot += __shfl_xor_sync(kFullMask, dot, off);
+      s[u][r] = dot;
+    }
+  }
 }
 
 // Two resident CTAs per SM (8 warps) is what the ~210-250 registers allow; with 2 positions x 2
 // (K, V) x 32 bytes per lane that keeps 32 KB of loads in flight per SM.
 constexpr int kMinCtasPerSm = 2;
 
+// Rows of out no sequence owns (cu_seqlens_q[B] < T, possible only unchecked): zeros and lse
+// -inf, written by the grid's first CTA so that every output element is defined.
+template <typename QT, typename CacheT>
+__device__ void write_unowned_rows(const PagedAttentionParams<QT, CacheT>& p) {
+  const int owned = max(0, min(p.cu_seqlens_q[p.num_seqs], p.num_tokens));
+  const int64_t n = int64_t(p.num_tokens - owned) * p.num_heads * p.head_size;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const int64_t row = i / p.head_size;
+    const int token = owned + int(row / p.num_heads);
+    const int head = int(row % p.num_heads);
+    p.out[int64_t(token) * p.out_token_stride + int64_t(head) * p.out_head_stride +
+          i % p.head_size] = ScalarConvert<QT>::from_float(0.0f);
+    if (i % p.head_size == 0 && p.lse != nullptr) {
+      p.lse[int64_t(token) * p.num_heads + head] = neg_inf();
+    }
+  }
+}
+
 template <typename QT, typename CacheT, CacheFormat F, int D>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     paged_attention_kernel(const PagedAttentionParams<QT, CacheT> p) {
   using L = Layout<CacheT, D>;
   constexpr int kElems = L::kElems;
-  constexpr int kVec = L::kVec;
-  constexpr int kLoads = L::kLoads;
   constexpr int kRows = L::kRows;
   constexpr int kLanes = L::kLanes;
   constexpr int kUnroll = L::kUnroll;
@@ -142,51 +298,23 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   __shared__ float s_sum[kWarps][kRows];
   __shared__ float s_acc[kWarps][kRows][D];
 
-  // --- Which work this CTA does (all of it uniform across the CTA). ---
-  const int seq = blockIdx.x / p.row_chunks;
-  const int row0 = (blockIdx.x % p.row_chunks) * kRows;
-  const int kv_head = blockIdx.y % p.num_kv_heads;
-  const int part = blockIdx.y / p.num_kv_heads;
-  const int q_begin = p.cu_seqlens_q[seq];
-  const int q_len = p.cu_seqlens_q[seq + 1] - q_begin;
-  // Unchecked inputs (PAGEDSPEC_DEBUG=0) are clamped so nothing is read out of bounds.
-  if (q_len <= 0 || q_begin < 0 || q_begin + q_len > p.num_tokens) return;
-  const int G = p.group_size();
-  if (row0 >= q_len * G) return;
-  const int num_rows = min(kRows, q_len * G - row0);
-  const int seq_len = min(p.seq_lens[seq], p.max_blocks_per_seq << p.block_shift);
-  const int last_limit = causal_limit(seq_len, q_len, (row0 + num_rows - 1) / G);
-  const int ctx_begin = part * p.partition_size;
-  const int ctx_end = min(min(seq_len, last_limit + 1), ctx_begin + p.partition_size);
-  // A partition past every row's limit is never read by the reduction: nothing to write.
-  if (ctx_begin >= ctx_end) return;
+  if (blockIdx.x == 0 && blockIdx.y == 0) write_unowned_rows(p);
+  CtaWork w;
+  if (!locate_work<kRows>(p, w)) return;
+  // A split partition past every row's limit is never merged: nothing to write. A direct CTA
+  // always writes (zeros and lse -inf for rows that see nothing).
+  if (w.split && w.ctx_begin >= w.ctx_end) return;
 
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   const int group = lane / kLanes;
-  const int slice = lane % kLanes;                 // which 16 dimensions of a row
-  const bool active = slice < L::kSlices;          // lanes past the head size hold zeros
-  const bool mass_mode = p.mass_lse != nullptr;
+  const int slice = lane % kLanes;         // which 16 dimensions of a row
+  const bool active = slice < L::kSlices;  // lanes past the head size hold zeros
 
   int limit[kRows];
   float q[kRows][kElems];
-  float lse2[kRows];  // mass mode: final LSE in the log2 domain
-  const float q_scale = p.scale * kLog2e * (kFp8 ? p.k_scale.at(kv_head) : 1.0f);
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const RowPlace place = place_row(p, row0 + r, num_rows, q_begin, q_len, seq_len, kv_head);
-    limit[r] = place.limit;
-    const QT* src = p.query + int64_t(place.token) * p.q_token_stride +
-                    int64_t(place.head) * p.q_head_stride + slice * kElems;
-#pragma unroll
-    for (int e = 0; e < kElems; ++e) {
-      q[r][e] = (r < num_rows && active) ? ScalarConvert<QT>::to_float(src[e]) * q_scale : 0.0f;
-    }
-    lse2[r] = 0.0f;
-    if (mass_mode && r < num_rows) {
-      lse2[r] = p.mass_lse[int64_t(place.token) * p.num_heads + place.head] * kLog2e;
-    }
-  }
+  load_queries(p, w, p.scale * kLog2e * (kFp8 ? p.k_scale.at(w.kv_head) : 1.0f), slice, active,
+               q, limit);
 
   SoftmaxState state[kRows];
   float acc[kRows][kElems];
@@ -197,68 +325,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     for (int e = 0; e < kElems; ++e) acc[r][e] = 0.0f;
   }
 
-  // --- Main loop: warps interleave steps of kStep positions. ---
-  for (int base = ctx_begin + warp * L::kStep; base < ctx_end; base += kWarps * L::kStep) {
+  // Main loop: warps interleave steps of kStep positions.
+  for (int base = w.ctx_begin + warp * L::kStep; base < w.ctx_end; base += kWarps * L::kStep) {
     int pos[kUnroll];
-    uint4 kraw[kUnroll][kLoads], vraw[kUnroll][kLoads];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      pos[u] = base + u * L::kGroups + group;
-#pragma unroll
-      for (int i = 0; i < kLoads; ++i) {
-        kraw[u][i] = make_uint4(0, 0, 0, 0);
-        vraw[u][i] = make_uint4(0, 0, 0, 0);
-      }
-      // Positions past ctx_end (<= seq_len) are never loaded: unused slots stay unread.
-      if (pos[u] < ctx_end && active) {
-        const int64_t off = p.cache_offset(seq, pos[u], kv_head) + slice * kElems;
-        const uint4* k_src = reinterpret_cast<const uint4*>(p.key_cache + off);
-        const uint4* v_src = reinterpret_cast<const uint4*>(p.value_cache + off);
-#pragma unroll
-        for (int i = 0; i < kLoads; ++i) kraw[u][i] = __ldg(k_src + i);
-        if (!mass_mode) {
-#pragma unroll
-          for (int i = 0; i < kLoads; ++i) vraw[u][i] = __ldg(v_src + i);
-        }
-      }
-    }
-    // Scores: partial dot products over this lane's slice, then summed over the kLanes lanes
-    // (every lane of the group ends with the full score).
+    uint4 kraw[kUnroll][L::kLoads], vraw[kUnroll][L::kLoads];
+    load_kv<L>(p, w, base, group, slice, active, /*with_values=*/true, pos, kraw, vraw);
     float s[kUnroll][kRows];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float kf[kElems];
-#pragma unroll
-      for (int i = 0; i < kLoads; ++i) decode_vector<CacheT, F>(kraw[u][i], kf + i * kVec);
-      // Every row, padding rows included (their query is 0 and their limit -1, so they end up
-      // with weight 0): no per-row branches in the hot loop.
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int e = 0; e < kElems; ++e) dot = fmaf(q[r][e], kf[e], dot);
-#pragma unroll
-        for (int off = kLanes / 2; off > 0; off /= 2) dot += __shfl_xor_sync(kFullMask, dot, off);
-        s[u][r] = dot;
-      }
-    }
-
-    if (mass_mode) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        float mass = 0.0f;
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          if (pos[u] <= limit[r] && pos[u] < ctx_end && lse2[r] > neg_inf()) {
-            mass += softmax_exp2(s[u][r] - lse2[r]);
-          }
-        }
-        if (slice == 0 && pos[u] < ctx_end && mass > 0.0f) {
-          atomicAdd(p.attn_mass + p.slot(seq, pos[u]), mass);
-        }
-      }
-      continue;
-    }
+    score<L, CacheT, F>(kraw, q, s);
 
     // Online softmax, one state per row per lane group, over the positions each row sees.
     bool seen[kUnroll][kRows];
@@ -267,7 +340,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       float tile_max = neg_inf();
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        seen[u][r] = pos[u] < ctx_end && pos[u] <= limit[r];
+        seen[u][r] = pos[u] < w.ctx_end && pos[u] <= limit[r];
         if (!seen[u][r]) s[u][r] = neg_inf();
         tile_max = fmaxf(tile_max, s[u][r]);
       }
@@ -282,13 +355,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
         state[r].sum += s[u][r];
       }
     }
+    // P.V, selected rather than multiplied by a zero weight: a V row a row cannot see (a later
+    // draft token's, possibly inf or NaN) must not reach it (the contract's Isolation).
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       float vf[kElems];
 #pragma unroll
-      for (int i = 0; i < kLoads; ++i) decode_vector<CacheT, F>(vraw[u][i], vf + i * kVec);
-      // Selected, not multiplied by a zero weight: a V row a row cannot see (a later draft
-      // token's, possibly inf or NaN) must not reach it (the contract's Isolation).
+      for (int i = 0; i < L::kLoads; ++i) decode_vector<CacheT, F>(vraw[u][i], vf + i * L::kVec);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
 #pragma unroll
@@ -298,14 +371,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       }
     }
   }
-  if (mass_mode) return;
 
-  // --- Merge the lane groups of each warp, then the warps, by log-sum-exp. ---
+  // Merge the lane groups of each warp, then the warps, by log-sum-exp.
 #pragma unroll
   for (int off = kLanes; off < kWarpSize; off *= 2) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      if (r >= num_rows) continue;
+      if (r >= w.num_rows) continue;
       const SoftmaxState other{__shfl_xor_sync(kFullMask, state[r].max, off),
                                __shfl_xor_sync(kFullMask, state[r].sum, off)};
       const SoftmaxMerge m = merge_softmax(state[r], other);
@@ -320,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   if (group == 0) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
-      if (r >= num_rows) continue;
+      if (r >= w.num_rows) continue;
       if (slice == 0) {
         s_max[warp][r] = state[r].max;
         s_sum[warp][r] = state[r].sum;
@@ -333,20 +405,22 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   }
   __syncthreads();
 
-  const float v_scale = kFp8 ? p.v_scale.at(kv_head) : 1.0f;
-  for (int idx = threadIdx.x; idx < num_rows * D; idx += kThreads) {
+  // Write: out / lse (direct) or the partial result at the row's partial row (split).
+  const float v_scale = kFp8 ? p.v_scale.at(w.kv_head) : 1.0f;
+  const int G = p.group_size();
+  for (int idx = threadIdx.x; idx < w.num_rows * D; idx += kThreads) {
     const int r = idx / D;
     const int d = idx % D;
     SoftmaxState merged = SoftmaxState::empty();
     float a = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const SoftmaxMerge m = merge_softmax(merged, SoftmaxState{s_max[w][r], s_sum[w][r]});
-      a = a * m.weight_a + s_acc[w][r][d] * m.weight_b;
+    for (int k = 0; k < kWarps; ++k) {
+      const SoftmaxMerge m = merge_softmax(merged, SoftmaxState{s_max[k][r], s_sum[k][r]});
+      a = a * m.weight_a + s_acc[k][r][d] * m.weight_b;
       merged = m.state;
     }
-    const RowPlace place = place_row(p, row0 + r, num_rows, q_begin, q_len, seq_len, kv_head);
-    if (p.part_acc == nullptr) {
+    const RowPlace place = place_row(w, r, G);
+    if (!w.split) {
       const float inv = merged.sum > 0.0f ? v_scale / merged.sum : 0.0f;
       p.out[int64_t(place.token) * p.out_token_stride + int64_t(place.head) * p.out_head_stride +
             d] = ScalarConvert<QT>::from_float(a * inv);
@@ -354,8 +428,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
         p.lse[int64_t(place.token) * p.num_heads + place.head] = merged.lse();
       }
     } else {
-      const int64_t slot =
-          (int64_t(place.token) * p.num_heads + place.head) * p.max_partitions + part;
+      const int64_t row = w.partial_row + int64_t((w.row0 + r) / G - w.row0 / G) * w.parts;
+      if (row < 0 || row >= p.partial_rows) continue;  // a plan that does not fit (unchecked)
+      const int64_t slot = row * p.num_heads + place.head;
       p.part_acc[slot * D + d] = a * v_scale;
       if (d == 0) {
         p.part_max[slot] = merged.max;
@@ -365,12 +440,68 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
   }
 }
 
-// v2 second pass: one CTA per (query token, head) folds the partitions its row can see.
+// attn_mass: after the final LSE is known (p.mass_lse), adds each visible position's probability
+// exp2(s - lse2), summed over the CTA's rows, to its slot. Same work items as the attention pass
+// (K only); partitioned whatever the variant, since there is no reduction to pay for.
+template <typename QT, typename CacheT, CacheFormat F, int D>
+__global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
+    attn_mass_kernel(const PagedAttentionParams<QT, CacheT> p) {
+  using L = Layout<CacheT, D>;
+  constexpr int kRows = L::kRows;
+  constexpr int kUnroll = L::kUnroll;
+  constexpr bool kFp8 = F != CacheFormat::kNative;
+
+  CtaWork w;
+  if (!locate_work<kRows>(p, w) || w.ctx_begin >= w.ctx_end) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int group = lane / L::kLanes;
+  const int slice = lane % L::kLanes;
+  const bool active = slice < L::kSlices;
+
+  int limit[kRows];
+  float q[kRows][L::kElems];
+  load_queries(p, w, p.scale * kLog2e * (kFp8 ? p.k_scale.at(w.kv_head) : 1.0f), slice, active,
+               q, limit);
+  float lse2[kRows];  // final LSE in the log2 domain
+  const int G = p.group_size();
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const RowPlace place = place_row(w, r, G);
+    lse2[r] = r < w.num_rows ? p.mass_lse[int64_t(place.token) * p.num_heads + place.head] * kLog2e
+                             : neg_inf();
+  }
+
+  for (int base = w.ctx_begin + warp * L::kStep; base < w.ctx_end; base += kWarps * L::kStep) {
+    int pos[kUnroll];
+    uint4 kraw[kUnroll][L::kLoads], vraw[kUnroll][L::kLoads];
+    load_kv<L>(p, w, base, group, slice, active, /*with_values=*/false, pos, kraw, vraw);
+    float s[kUnroll][kRows];
+    score<L, CacheT, F>(kraw, q, s);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float mass = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (pos[u] < w.ctx_end && pos[u] <= limit[r] && lse2[r] > neg_inf()) {
+          mass += softmax_exp2(s[u][r] - lse2[r]);
+        }
+      }
+      if (slice == 0 && pos[u] < w.ctx_end && mass > 0.0f) {
+        atomicAdd(p.attn_mass + p.slot(w.seq, pos[u]), mass);
+      }
+    }
+  }
+}
+
+// Split second pass: one CTA per (query token, head) of a split sequence folds the partitions
+// its row can see. Tokens of direct sequences (plan) and unowned tokens exit at once.
 template <typename QT>
 __global__ void __launch_bounds__(kReduceThreads)
     reduce_partitions_kernel(const PartitionReduceParams<QT> p) {
   const int token = blockIdx.x;
   const int head = blockIdx.y;
+  if (token >= p.cu_seqlens_q[p.num_seqs]) return;
   // The sequence owning this token: the last i with cu_seqlens_q[i] <= token.
   int lo = 0, hi = p.num_seqs;
   while (hi - lo > 1) {
@@ -383,18 +514,31 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
   const int q_begin = p.cu_seqlens_q[lo];
   const int q_len = p.cu_seqlens_q[lo + 1] - q_begin;
+  if (token < q_begin || token >= q_begin + q_len) return;
+  int parts, partition_size;
+  int64_t row;
+  if (p.plan != nullptr) {
+    const PlanView plan{p.plan};
+    if (plan.num_seqs() != p.num_seqs || plan.parts(lo) <= 1 || plan.partial_base(lo) < 0) return;
+    parts = plan.parts(lo);
+    partition_size = plan.partition_size();
+    row = plan.partial_base(lo) + int64_t(token - q_begin) * parts;
+  } else {
+    parts = p.max_partitions;
+    partition_size = kPartitionSize;
+    row = int64_t(token) * parts;
+  }
   const int seq_len = min(p.seq_lens[lo], p.max_context);
   const int limit = causal_limit(seq_len, q_len, token - q_begin);
-  const int parts = limit < 0 ? 0 : min(limit / kPartitionSize + 1, p.max_partitions);
-  const int64_t base = (int64_t(token) * p.num_heads + head) * p.max_partitions;
-  SoftmaxState merged = SoftmaxState::empty();
+  const int n = limit < 0 ? 0 : int(min(int64_t(min(limit / partition_size + 1, parts)),
+                                        max(int64_t(0), p.partial_rows - row)));
   for (int d = threadIdx.x; d < p.head_size; d += blockDim.x) {
-    merged = SoftmaxState::empty();
+    SoftmaxState merged = SoftmaxState::empty();
     float a = 0.0f;
-    for (int k = 0; k < parts; ++k) {
-      const SoftmaxMerge m =
-          merge_softmax(merged, SoftmaxState{p.part_max[base + k], p.part_sum[base + k]});
-      a = a * m.weight_a + p.part_acc[(base + k) * p.head_size + d] * m.weight_b;
+    for (int k = 0; k < n; ++k) {
+      const int64_t slot = (row + k) * p.num_heads + head;
+      const SoftmaxMerge m = merge_softmax(merged, SoftmaxState{p.part_max[slot], p.part_sum[slot]});
+      a = a * m.weight_a + p.part_acc[slot * p.head_size + d] * m.weight_b;
       merged = m.state;
     }
     const float inv = merged.sum > 0.0f ? 1.0f / merged.sum : 0.0f;
@@ -404,16 +548,6 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
 }
 
-// Dispatcher rule (CUDA): v2 when v1 would run fewer than kV1MinWaves full waves of CTAs
-// (num_seqs x num_kv_heads x row chunks < kV1MinWaves x SMs x resident CTAs per SM, the last from
-// the occupancy calculator) and the block table can describe a context of at least two
-// partitions (max_blocks_per_seq x block_size >= 2 x kPartitionSize: the host-side bound on the
-// context, since seq_lens live on the device). With few waves, v1 leaves SMs idle while the last
-// CTAs finish (and at batch 1 most SMs have nothing to do at all); v2's finer CTAs fill them for
-// the price of writing and re-reading the partials (under 1% of the K/V bytes for 512-position
-// partitions) and one small extra launch.
-constexpr int kV1MinWaves = 4;
-
 template <typename Kernel>
 int resident_ctas_per_sm(Kernel kernel) {
   int ctas = 0;
@@ -421,29 +555,90 @@ int resident_ctas_per_sm(Kernel kernel) {
   return std::max(ctas, 1);
 }
 
-bool cuda_prefers_v2(const AttentionArgs& args, int64_t row_chunks, int device,
-                     int ctas_per_sm) {
+// Dispatcher rule (CUDA, grid launches): v2 when v1 would run fewer than kCudaPlanWaves full
+// waves of CTAs (num_seqs x num_kv_heads x row chunks < waves x SMs x resident CTAs per SM, the
+// last from the occupancy calculator, asked on the current device each call) and the block
+// table can describe a context of at least two partitions (the host-side bound on the context,
+// since seq_lens live on the device). With few waves, v1 leaves SMs idle while the last CTAs
+// finish; v2's finer CTAs fill them for the price of writing and re-reading the partials (under
+// 1% of the K/V bytes for 512-position partitions) and one small extra launch.
+bool cuda_prefers_v2(const AttentionArgs& args, int64_t row_chunks, int device, int ctas_per_sm) {
   const int64_t v1_ctas = args.num_seqs * args.num_kv_heads * row_chunks;
-  return v1_ctas < int64_t(kV1MinWaves) * sm_count(device) * ctas_per_sm &&
+  return v1_ctas < int64_t(kCudaPlanWaves) * sm_count(device) * ctas_per_sm &&
          args.max_context() >= 2 * int64_t(kPartitionSize);
 }
 
+// One launch's buffers and kernels.
 template <typename QT, typename CacheT, CacheFormat F, int D>
-void launch(PagedAttentionParams<QT, CacheT> p, const AttentionArgs& args, Variant variant,
-            const at::Tensor& query, cudaStream_t stream) {
+struct AttentionLaunch {
+  const char* op;
+  cudaStream_t stream;
+
+  void attend(const PagedAttentionParams<QT, CacheT>& p, dim3 grid) const {
+    paged_attention_kernel<QT, CacheT, F, D><<<grid, kThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  void reduce(const PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args) const {
+    PartitionReduceParams<QT> r{};
+    r.out = p.out;
+    r.lse = p.lse;
+    r.part_acc = p.part_acc;
+    r.part_max = p.part_max;
+    r.part_sum = p.part_sum;
+    r.plan = p.plan;
+    r.partial_rows = p.partial_rows;
+    r.seq_lens = p.seq_lens;
+    r.cu_seqlens_q = p.cu_seqlens_q;
+    r.out_token_stride = p.out_token_stride;
+    r.out_head_stride = p.out_head_stride;
+    r.num_seqs = p.num_seqs;
+    r.num_heads = p.num_heads;
+    r.head_size = D;
+    r.max_partitions = p.max_partitions;
+    r.max_context = static_cast<int>(args.max_context());
+    const dim3 grid(static_cast<unsigned>(args.num_tokens), static_cast<unsigned>(args.num_heads));
+    reduce_partitions_kernel<QT><<<grid, kReduceThreads, 0, stream>>>(r);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+
+  void mass(PagedAttentionParams<QT, CacheT> p, float* attn_mass, dim3 grid) const {
+    p.attn_mass = attn_mass;
+    p.mass_lse = p.lse;
+    attn_mass_kernel<QT, CacheT, F, D><<<grid, kThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
+// attn_mass needs the final LSE: the caller's buffer, or scratch. Returns the caller's attn_mass
+// (taken out of p, so the attention pass does not see it).
+template <typename QT, typename CacheT>
+float* prepare_mass(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args,
+                    const at::Tensor& query, at::Tensor& lse_scratch) {
+  if (p.attn_mass != nullptr && p.lse == nullptr) {
+    lse_scratch = at::empty({args.num_tokens, args.num_heads}, query.options().dtype(at::kFloat));
+    p.lse = lse_scratch.data_ptr<float>();
+  }
+  float* attn_mass = p.attn_mass;
+  p.attn_mass = nullptr;
+  p.mass_lse = nullptr;
+  return attn_mass;
+}
+
+// v1 / v2 / the dispatcher: grids from the block table's width.
+template <typename QT, typename CacheT, CacheFormat F, int D>
+void launch_grid(PagedAttentionParams<QT, CacheT> p, const AttentionArgs& args, Variant variant,
+                 const char* op, const at::Tensor& query, cudaStream_t stream) {
   using L = Layout<CacheT, D>;
-  const char* op = "paged_attention";
+  const AttentionLaunch<QT, CacheT, F, D> launch{op, stream};
   p.row_chunks = ceil_div(args.launch_max_q_len() * (args.num_heads / args.num_kv_heads),
                           L::kRows);
   const bool chosen_automatically = variant == Variant::kAuto;
   if (chosen_automatically) {
-    static const int ctas_per_sm =
-        resident_ctas_per_sm(paged_attention_kernel<QT, CacheT, F, D>);
-    variant = cuda_prefers_v2(args, p.row_chunks, query.get_device(), ctas_per_sm)
-                  ? Variant::kV2
-                  : Variant::kV1;
+    const int ctas_per_sm = resident_ctas_per_sm(paged_attention_kernel<QT, CacheT, F, D>);
+    variant = cuda_prefers_v2(args, p.row_chunks, query.get_device(), ctas_per_sm) ? Variant::kV2
+                                                                                   : Variant::kV1;
   }
-  const auto fopts = query.options().dtype(at::kFloat);
   const int64_t P = args.max_partitions();
   TORCH_CHECK(args.max_context() < (int64_t(1) << 31), "pagedspec.", op,
               ": block_tables describe a context of ", args.max_context(),
@@ -458,122 +653,146 @@ void launch(PagedAttentionParams<QT, CacheT> p, const AttentionArgs& args, Varia
   TORCH_CHECK(fits_partitioned_grid || (variant == Variant::kV1 && p.attn_mass == nullptr),
               "pagedspec.", op, ": num_kv_heads x partitions of the block table's context (",
               args.num_kv_heads, " x ", P, ") exceeds the CUDA grid limit of 65535 for ",
-              p.attn_mass != nullptr ? "attn_mass" : "paged_attention_v2",
-              "; use paged_attention_v1 without attn_mass");
+              p.attn_mass != nullptr ? "attn_mass" : "the split pass",
+              "; use paged_attention_plan / paged_attention_run (sized by the real lengths)");
   TORCH_CHECK(args.num_seqs * int64_t(p.row_chunks) < (int64_t(1) << 31), "pagedspec.", op,
               ": too many sequences x row chunks for one launch");
 
-  // attn_mass needs the final LSE: the caller's buffer, or scratch.
-  at::Tensor lse_scratch;
-  if (p.attn_mass != nullptr && p.lse == nullptr) {
-    lse_scratch = at::empty({args.num_tokens, args.num_heads}, fopts);
-    p.lse = lse_scratch.data_ptr<float>();
-  }
-  float* attn_mass = p.attn_mass;
-  p.attn_mass = nullptr;
-  p.mass_lse = nullptr;
-
-  const dim3 block(kThreads);
-  at::Tensor part_acc, part_max, part_sum;
+  at::Tensor lse_scratch, workspace;
+  float* attn_mass = prepare_mass(p, args, query, lse_scratch);
+  const unsigned x = static_cast<unsigned>(args.num_seqs * p.row_chunks);
+  const dim3 partitioned(x, static_cast<unsigned>(args.num_kv_heads * P));
   if (variant == Variant::kV1) {
     p.max_partitions = 1;
     p.partition_size = static_cast<int>(args.max_context());
-    const dim3 grid(static_cast<unsigned>(args.num_seqs * p.row_chunks),
-                    static_cast<unsigned>(args.num_kv_heads));
-    paged_attention_kernel<QT, CacheT, F, D><<<grid, block, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch.attend(p, dim3(x, static_cast<unsigned>(args.num_kv_heads)));
   } else {
+    // Scratch sized by the table's width: T x P partial rows.
     p.max_partitions = static_cast<int>(P);
     p.partition_size = kPartitionSize;
-    part_acc = at::empty({args.num_tokens, args.num_heads, P, args.head_size}, fopts);
-    part_max = at::empty({args.num_tokens, args.num_heads, P}, fopts);
-    part_sum = at::empty({args.num_tokens, args.num_heads, P}, fopts);
-    p.part_acc = part_acc.data_ptr<float>();
-    p.part_max = part_max.data_ptr<float>();
-    p.part_sum = part_sum.data_ptr<float>();
-    const dim3 grid(static_cast<unsigned>(args.num_seqs * p.row_chunks),
-                    static_cast<unsigned>(args.num_kv_heads * P));
-    paged_attention_kernel<QT, CacheT, F, D><<<grid, block, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-
-    PartitionReduceParams<QT> r{};
-    r.out = p.out;
-    r.lse = p.lse;
-    r.part_acc = p.part_acc;
-    r.part_max = p.part_max;
-    r.part_sum = p.part_sum;
-    r.seq_lens = p.seq_lens;
-    r.cu_seqlens_q = p.cu_seqlens_q;
-    r.out_token_stride = p.out_token_stride;
-    r.out_head_stride = p.out_head_stride;
-    r.num_seqs = p.num_seqs;
-    r.num_heads = p.num_heads;
-    r.head_size = D;
-    r.max_partitions = p.max_partitions;
-    r.max_context = static_cast<int>(args.max_context());
-    const dim3 rgrid(static_cast<unsigned>(args.num_tokens), static_cast<unsigned>(args.num_heads));
-    reduce_partitions_kernel<QT><<<rgrid, kReduceThreads, 0, stream>>>(r);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    p.partial_rows = args.num_tokens * P;
+    workspace = at::empty({p.partial_rows * workspace_floats_per_row(args.num_heads, D)},
+                          query.options().dtype(at::kFloat));
+    p.part_acc = workspace.data_ptr<float>();
+    p.part_max = p.part_acc + p.partial_rows * args.num_heads * D;
+    p.part_sum = p.part_max + p.partial_rows * args.num_heads;
+    launch.attend(p, partitioned);
+    launch.reduce(p, args);
   }
-
   if (attn_mass != nullptr) {
-    // Partitioned grid whatever the variant: the pass has no reduction and wants parallelism.
-    p.attn_mass = attn_mass;
-    p.mass_lse = p.lse;
     p.part_acc = p.part_max = p.part_sum = nullptr;
     p.max_partitions = static_cast<int>(P);
     p.partition_size = kPartitionSize;
-    const dim3 grid(static_cast<unsigned>(args.num_seqs * p.row_chunks),
-                    static_cast<unsigned>(args.num_kv_heads * P));
-    paged_attention_kernel<QT, CacheT, F, D><<<grid, block, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch.mass(p, attn_mass, partitioned);
   }
+}
+
+// paged_attention_run: the plan's items, a fixed grid of its capacity (graph-capturable: a new
+// plan with the same capacity changes only device memory).
+template <typename QT, typename CacheT, CacheFormat F, int D>
+void launch_plan(PagedAttentionParams<QT, CacheT> p, const AttentionArgs& args,
+                 const at::Tensor& plan, const at::Tensor& workspace, int64_t workspace_rows,
+                 const char* op, const at::Tensor& query, cudaStream_t stream) {
+  const AttentionLaunch<QT, CacheT, F, D> launch{op, stream};
+  const int64_t capacity = (plan.numel() - plan_length(args.num_seqs, 0)) / 3;
+  TORCH_CHECK(capacity < (int64_t(1) << 31) && args.num_kv_heads <= 65535, "pagedspec.", op,
+              ": plan capacity (", capacity, ") or num_kv_heads (", args.num_kv_heads,
+              ") exceeds the CUDA grid limits");
+  p.plan = plan.const_data_ptr<int32_t>();
+  p.partial_rows = workspace_rows;
+  if (workspace_rows > 0) {
+    p.part_acc = const_cast<float*>(workspace.const_data_ptr<float>());
+    p.part_max = p.part_acc + workspace_rows * args.num_heads * D;
+    p.part_sum = p.part_max + workspace_rows * args.num_heads;
+  }
+  at::Tensor lse_scratch;
+  float* attn_mass = prepare_mass(p, args, query, lse_scratch);
+  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(capacity, 1)),
+                  static_cast<unsigned>(args.num_kv_heads));
+  launch.attend(p, grid);
+  if (workspace_rows > 0) launch.reduce(p, args);  // an empty workspace means nothing is split
+  if (attn_mass != nullptr) launch.mass(p, attn_mass, grid);
+}
+
+// Calls fn(std::integral_constant<int, D>) for the supported head size D (kAttentionHeadSizes:
+// the one list).
+template <typename Fn, size_t... I>
+void dispatch_head_size(int64_t head_size, const char* op, Fn&& fn, std::index_sequence<I...>) {
+  const bool found =
+      ((head_size == kAttentionHeadSizes[I]
+            ? (fn(std::integral_constant<int, kAttentionHeadSizes[I]>{}), true)
+            : false) || ...);
+  TORCH_CHECK(found, "pagedspec.", op, ": query.size(2) (head_size) must be one of ",
+              attention_head_sizes_text(), ", got ", head_size);
 }
 
 template <typename Fn>
 void dispatch_head_size(int64_t head_size, const char* op, Fn&& fn) {
-  switch (head_size) {
-    case 64: return fn(std::integral_constant<int, 64>{});
-    case 80: return fn(std::integral_constant<int, 80>{});
-    case 96: return fn(std::integral_constant<int, 96>{});
-    case 112: return fn(std::integral_constant<int, 112>{});
-    case 128: return fn(std::integral_constant<int, 128>{});
-    case 256: return fn(std::integral_constant<int, 256>{});
-    default:
-      TORCH_CHECK(false, "pagedspec.", op, ": query.size(2) (head_size) must be one of ",
-                  attention_head_sizes_text(), ", got ", head_size);
-  }
+  dispatch_head_size(head_size, op, std::forward<Fn>(fn),
+                     std::make_index_sequence<std::size(kAttentionHeadSizes)>{});
 }
 
-template <typename QT>
-void dispatch_cache(const char* op, Variant variant, at::Tensor& out, const at::Tensor& query,
-                    const at::Tensor& key_cache, const at::Tensor& value_cache,
-                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                    const at::Tensor& cu_seqlens_q, double scale,
-                    const c10::optional<at::Tensor>& lse,
-                    const c10::optional<at::Tensor>& attn_mass, const AttentionArgs& args,
-                    cudaStream_t stream) {
-  auto run = [&](auto cache_tag, auto format_tag) {
-    using CacheT = typename decltype(cache_tag)::type;
-    constexpr CacheFormat F = decltype(format_tag)::value;
-    auto p = make_attention_params<QT, CacheT>(out, query, key_cache, value_cache, block_tables,
-                                               seq_lens, cu_seqlens_q, scale, lse, attn_mass,
-                                               args);
-    dispatch_head_size(args.head_size, op, [&](auto d_tag) {
-      launch<QT, CacheT, F, decltype(d_tag)::value>(p, args, variant, query, stream);
-    });
-  };
-  switch (args.format) {
-    case CacheFormat::kNative:
-      return run(std::type_identity<QT>{},
-                 std::integral_constant<CacheFormat, CacheFormat::kNative>{});
-    case CacheFormat::kE4M3:
-      return run(std::type_identity<uint8_t>{},
-                 std::integral_constant<CacheFormat, CacheFormat::kE4M3>{});
-    case CacheFormat::kE5M2:
-      return run(std::type_identity<uint8_t>{},
-                 std::integral_constant<CacheFormat, CacheFormat::kE5M2>{});
+// Validation shared by every entry point, then dtype / cache format / head size dispatch (the
+// checks.h macros, as every launcher uses) into launch_grid or launch_plan.
+void paged_attention_cuda(const char* op, Variant variant, at::Tensor& out, const at::Tensor& query,
+                          const at::Tensor& key_cache, const at::Tensor& value_cache,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& cu_seqlens_q, int64_t max_q_len, double scale,
+                          const c10::optional<at::Tensor>& k_scale,
+                          const c10::optional<at::Tensor>& v_scale,
+                          const c10::optional<at::Tensor>& lse,
+                          const c10::optional<at::Tensor>& attn_mass, const at::Tensor* plan,
+                          const at::Tensor* workspace) {
+  const AttentionArgs args =
+      check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens,
+                      cu_seqlens_q, max_q_len, scale, k_scale, v_scale, lse, attn_mass,
+                      /*allow_float32=*/false);
+  int64_t workspace_rows = 0;
+  if (plan != nullptr) {
+    workspace_rows = check_plan_tensors(op, args, *plan, *workspace, out, query, key_cache,
+                                        value_cache, lse, attn_mass);
   }
+  if (debug_checks_enabled()) {
+    const at::Tensor lens = seq_lens.cpu(), cu = cu_seqlens_q.cpu();
+    check_attention_indices(op, args, block_tables.cpu(), lens, cu);
+    if (plan != nullptr) {
+      const at::Tensor plan_host = plan->cpu();
+      check_plan_contents(op, args, plan_host.const_data_ptr<int32_t>(), plan_host.numel(),
+                          lens.const_data_ptr<int>(), cu.const_data_ptr<int>(), workspace_rows,
+                          kCudaAttentionRows);
+    }
+  }
+  if (args.num_tokens == 0 || args.num_seqs == 0) return;
+  for (const auto& [name, cache] : {std::pair<const char*, const at::Tensor*>{"key_cache", &key_cache},
+                                    {"value_cache", &value_cache}}) {
+    TORCH_CHECK(is_aligned(cache->const_data_ptr(), 16), "pagedspec.", op,
+                ": ", name, " must start on a 16-byte boundary (the kernel loads 16 bytes at a "
+                "time), got address ", cache->const_data_ptr());
+  }
+  const c10::cuda::CUDAGuard guard(query.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  PAGEDSPEC_DISPATCH_ACTIVATION(query.scalar_type(), op, "query", [&] {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      TORCH_CHECK(false, "pagedspec.", op, ": query must have dtype in {Half, BFloat16}");
+    } else {
+      using QT = device_t<scalar_t>;
+      PAGEDSPEC_DISPATCH_CACHE_FORMAT(args.format, [&] {
+        using CacheT = std::conditional_t<kCacheFormat == CacheFormat::kNative, QT, uint8_t>;
+        auto p = make_attention_params<QT, CacheT>(out, query, key_cache, value_cache,
+                                                   block_tables, seq_lens, cu_seqlens_q, scale,
+                                                   lse, attn_mass, args);
+        dispatch_head_size(args.head_size, op, [&](auto d_tag) {
+          constexpr int D = decltype(d_tag)::value;
+          if (plan != nullptr) {
+            launch_plan<QT, CacheT, kCacheFormat, D>(p, args, *plan, *workspace, workspace_rows,
+                                                     op, query, stream);
+          } else {
+            launch_grid<QT, CacheT, kCacheFormat, D>(p, args, variant, op, query, stream);
+          }
+        });
+      });
+    }
+  });
 }
 
 void paged_attention_cuda_impl(const char* op, Variant variant, at::Tensor& out,
@@ -585,29 +804,23 @@ void paged_attention_cuda_impl(const char* op, Variant variant, at::Tensor& out,
                                const c10::optional<at::Tensor>& v_scale,
                                const c10::optional<at::Tensor>& lse,
                                const c10::optional<at::Tensor>& attn_mass) {
-  const AttentionArgs args =
-      check_attention(op, out, query, key_cache, value_cache, block_tables, seq_lens,
-                      cu_seqlens_q, max_q_len, scale, k_scale, v_scale, lse, attn_mass,
-                      /*allow_float32=*/false);
-  if (debug_checks_enabled()) {
-    check_attention_indices(op, args, block_tables.cpu(), seq_lens.cpu(), cu_seqlens_q.cpu());
-  }
-  if (args.num_tokens == 0 || args.num_seqs == 0) return;
-  for (const auto& [name, cache] : {std::pair<const char*, const at::Tensor*>{"key_cache", &key_cache},
-                                    {"value_cache", &value_cache}}) {
-    TORCH_CHECK(is_aligned(cache->const_data_ptr(), 16), "pagedspec.", op,
-                ": ", name, " must start on a 16-byte boundary (the kernel loads 16 bytes at a "
-                "time), got address ", cache->const_data_ptr());
-  }
-  const c10::cuda::CUDAGuard guard(query.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (query.scalar_type() == at::kHalf) {
-    dispatch_cache<__half>(op, variant, out, query, key_cache, value_cache, block_tables,
-                           seq_lens, cu_seqlens_q, scale, lse, attn_mass, args, stream);
-  } else {
-    dispatch_cache<__nv_bfloat16>(op, variant, out, query, key_cache, value_cache, block_tables,
-                                  seq_lens, cu_seqlens_q, scale, lse, attn_mass, args, stream);
-  }
+  paged_attention_cuda(op, variant, out, query, key_cache, value_cache, block_tables, seq_lens,
+                       cu_seqlens_q, max_q_len, scale, k_scale, v_scale, lse, attn_mass, nullptr,
+                       nullptr);
+}
+
+void paged_attention_run_cuda(at::Tensor& out, const at::Tensor& query,
+                              const at::Tensor& key_cache, const at::Tensor& value_cache,
+                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                              const at::Tensor& cu_seqlens_q, int64_t max_q_len, double scale,
+                              const at::Tensor& plan, at::Tensor& workspace,
+                              const c10::optional<at::Tensor>& k_scale,
+                              const c10::optional<at::Tensor>& v_scale,
+                              const c10::optional<at::Tensor>& lse,
+                              const c10::optional<at::Tensor>& attn_mass) {
+  paged_attention_cuda("paged_attention_run", Variant::kAuto, out, query, key_cache, value_cache,
+                       block_tables, seq_lens, cu_seqlens_q, max_q_len, scale, k_scale, v_scale,
+                       lse, attn_mass, &plan, &workspace);
 }
 
 PAGEDSPEC_ATTENTION_ENTRY(paged_attention_v1_cuda, paged_attention_cuda_impl, "paged_attention_v1",
@@ -619,10 +832,20 @@ PAGEDSPEC_ATTENTION_ENTRY(paged_attention_dispatch_cuda, paged_attention_cuda_im
 
 }  // namespace
 
+// SMs x resident attention CTAs per SM of one device, for the planner (paged_attention_plan).
+int64_t cuda_attention_slots(int device_index) {
+  const int device = device_index >= 0 ? device_index : c10::cuda::current_device();
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const int ctas = resident_ctas_per_sm(
+      paged_attention_kernel<__nv_bfloat16, __nv_bfloat16, CacheFormat::kNative, 128>);
+  return int64_t(sm_count(device)) * ctas;
+}
+
 TORCH_LIBRARY_IMPL(pagedspec, CUDA, m) {
   m.impl("paged_attention_v1", &paged_attention_v1_cuda);
   m.impl("paged_attention_v2", &paged_attention_v2_cuda);
   m.impl("paged_attention", &paged_attention_dispatch_cuda);
+  m.impl("paged_attention_run", &paged_attention_run_cuda);
 }
 
 }  // namespace pagedspec

@@ -103,9 +103,9 @@ PS_HOST_DEVICE SoftmaxMerge merge_softmax(SoftmaxState a, SoftmaxState b) {
 // query tokens sees positions 0 .. causal_limit (inclusive).
 PS_HOST_DEVICE int causal_limit(int seq_len, int q_len, int j) { return seq_len - q_len + j; }
 
-// Number of v2 partitions covering `context` tokens.
-PS_HOST_DEVICE int num_partitions_for(int context) {
-  return (context + kPartitionSize - 1) / kPartitionSize;
+// Number of partitions of `partition` positions covering `context` positions.
+PS_HOST_DEVICE int num_partitions_of(int context, int partition) {
+  return (context + partition - 1) / partition;
 }
 
 // Everything a paged-attention kernel reads and writes. QT: the query / output element type;
@@ -126,11 +126,14 @@ struct PagedAttentionParams {
   float* lse;                 // [T, Hq] natural-log LSE, or null when not requested
   float* attn_mass;           // [NB * BS] accumulated probability per slot, or null
 
-  // v2 partial results, one per (query token, head, partition); null for v1. acc is the
-  // unnormalized sum of exp2(s - max) * v over the partition's positions.
-  float* part_acc;  // [T, Hq, P, D]
-  float* part_max;  // [T, Hq, P]; SoftmaxState::max (log2 domain), -inf for an empty partition
-  float* part_sum;  // [T, Hq, P]; SoftmaxState::sum
+  // Split-KV partial results, one per (partial row, head): see attention_plan.h for which
+  // partial row a (query token, partition) has. acc is the unnormalized sum of exp2(s - max) * v
+  // over the partition's positions (v scale applied). Null when nothing is split.
+  float* part_acc;  // [R, Hq, D]
+  float* part_max;  // [R, Hq]; SoftmaxState::max (log2 domain), -inf for an empty partition
+  float* part_sum;  // [R, Hq]; SoftmaxState::sum
+  const int32_t* plan;  // the step's plan (attention_plan.h), or null for the CUDA grid launches
+  int64_t partial_rows; // R: rows the workspace holds (reads and writes stay below it)
 
   float scale;                // softmax scale applied to q.k (natural domain)
   int64_t q_token_stride;     // query.stride(0), elements
@@ -147,8 +150,8 @@ struct PagedAttentionParams {
   int block_shift;            // log2(BS)
   int max_blocks_per_seq;     // M: block_tables.size(1)
   int max_q_len;              // host-side bound on every q_len (>= 1 unless T == 0)
-  int max_partitions;         // P: partitions of the longest possible context (v2), else 1
-  int partition_size;         // positions per partition: kPartitionSize (v2), M * BS (v1)
+  int max_partitions;         // P: grid launches' partitions per token (v2), else 1
+  int partition_size;         // grid launches: kPartitionSize (v2), M * BS (v1)
   int row_chunks;             // CUDA: CTAs per (sequence, KV head, partition), covering its rows
   const float* mass_lse;      // [T, Hq] final natural-log LSE: set only for the attn_mass pass
 
@@ -168,14 +171,17 @@ struct PagedAttentionParams {
   }
 };
 
-// The v2 reduction: merges the partitions of every (query token, head) by log-sum-exp.
+// The split reduction: merges the partitions of every (query token, head) by log-sum-exp.
 template <typename QT>
 struct PartitionReduceParams {
   QT* out;                  // [T, Hq, D]; strides out_token_stride, out_head_stride, 1
   float* lse;               // [T, Hq] natural-log LSE, or null
-  const float* part_acc;    // [T, Hq, P, D] unnormalized partial outputs (v scale applied)
-  const float* part_max;    // [T, Hq, P] partial SoftmaxState::max (log2 domain)
-  const float* part_sum;    // [T, Hq, P] partial SoftmaxState::sum
+  const float* part_acc;    // [R, Hq, D] unnormalized partial outputs (v scale applied)
+  const float* part_max;    // [R, Hq] partial SoftmaxState::max (log2 domain)
+  const float* part_sum;    // [R, Hq] partial SoftmaxState::sum
+  const int32_t* plan;      // the plan (attention_plan.h), or null for the v2 grid (row of
+                            // token t, partition k: t * P + k)
+  int64_t partial_rows;     // R: rows of the workspace (reads stay below it)
   const int* seq_lens;      // [B]
   const int* cu_seqlens_q;  // [B + 1]
   int64_t out_token_stride; // out.stride(0), elements
@@ -183,7 +189,7 @@ struct PartitionReduceParams {
   int num_seqs;             // B
   int num_heads;            // Hq
   int head_size;            // D
-  int max_partitions;       // P
+  int max_partitions;       // P (v2 grid)
   int max_context;          // M * BS: bound on seq_lens (clamps unchecked inputs)
 };
 
