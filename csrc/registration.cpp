@@ -1,5 +1,5 @@
 // Every pagedspec op schema, in one always-compiled file (the public contract is
-// ../shared/CONTRACT.md). Backend kernels register themselves beside their code:
+// docs/CONTRACT.md). Backend kernels register themselves beside their code:
 // csrc/cpu/*.cpp with TORCH_LIBRARY_IMPL(pagedspec, CPU, m) and csrc/cuda/*.cu with CUDA.
 // Fake (meta) kernels for torch.compile live in python/pagedspec/_fake.py.
 //
