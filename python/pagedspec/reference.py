@@ -29,8 +29,16 @@ def _scale_for_heads(scale: torch.Tensor, ndim: int) -> torch.Tensor:
 # FP8
 
 
+def _check_scale(scale: torch.Tensor) -> None:
+    """An FP8 scale is finite and positive (anything else turns every value into garbage)."""
+    values = scale.detach().float().flatten()
+    if not bool((torch.isfinite(values) & (values > 0)).all()):
+        raise ValueError(f"FP8 scale must be finite and positive, got {values.tolist()}")
+
+
 def quantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) -> None:
     """out = saturate(input / scale) in out's FP8 format (round to nearest even, NaN kept)."""
+    _check_scale(scale)
     fp8_max = FP8_MAX[out.dtype]
     scaled = input.float() / _scale_for_heads(scale, input.dim())
     out.copy_(scaled.clamp(-fp8_max, fp8_max).to(out.dtype))
@@ -38,6 +46,7 @@ def quantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) ->
 
 def dequantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) -> None:
     """out = input * scale, computed in float32."""
+    _check_scale(scale)
     out.copy_((input.float() * _scale_for_heads(scale, input.dim())).to(out.dtype))
 
 
