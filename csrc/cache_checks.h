@@ -6,7 +6,10 @@
 
 #include <c10/util/accumulate.h>
 
+#include <algorithm>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "checks.h"
 #include "pagedspec/cache_params.h"
@@ -97,12 +100,23 @@ ReshapeAndCacheParams<InT, CacheT> make_reshape_and_cache_params(
   return p;
 }
 
-// Host-side: every slot is -1 or inside the cache. `slots` must be a CPU int64 tensor.
-inline void check_slots_in_range(const char* op, const at::Tensor& slots, int64_t num_slots) {
-  const int64_t* p = slots.data_ptr<int64_t>();
+// Host-side: every slot is -1 or inside the cache, and no slot is written twice (which token
+// would land is otherwise up to thread timing). `slots` must be a CPU int64 tensor.
+inline void check_slot_mapping_values(const char* op, const at::Tensor& slots, int64_t num_slots) {
+  const int64_t* p = slots.const_data_ptr<int64_t>();
+  std::vector<std::pair<int64_t, int64_t>> used;  // (slot, token), non-negative slots only
+  used.reserve(static_cast<size_t>(slots.numel()));
   for (int64_t t = 0; t < slots.numel(); ++t) {
     TORCH_CHECK(p[t] >= -1 && p[t] < num_slots, "pagedspec.", op, ": slot_mapping[", t,
                 "] must be -1 or in [0, ", num_slots, "), got ", p[t]);
+    if (p[t] >= 0) used.emplace_back(p[t], t);
+  }
+  std::sort(used.begin(), used.end());
+  for (size_t i = 1; i < used.size(); ++i) {
+    TORCH_CHECK(used[i].first != used[i - 1].first, "pagedspec.", op, ": slot_mapping[",
+                used[i].second, "] must differ from every other non-negative slot (each slot is "
+                "written at most once per call), got ", used[i].first, ", the same as slot_mapping[",
+                used[i - 1].second, "]");
   }
 }
 

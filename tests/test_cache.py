@@ -126,6 +126,62 @@ def test_reshape_and_cache_bad_inputs(overrides, match):
         ops.reshape_and_cache(**_reshape_args(**overrides))
 
 
+@pytest.mark.parametrize("repeats", [2, 3])
+def test_reshape_and_cache_rejects_duplicate_slots(repeats, gen):
+    """Two tokens in one slot would race (which one lands depends on thread timing), so a repeated
+    non-negative slot is an error; -1 padding may repeat freely."""
+    num_tokens, num_slots = 12, 32
+    slots = _random_slots(gen, num_tokens, num_slots, pad_every=4)
+    slots[[0, 4]] = -1
+    first = int(torch.randint(1, 4, (1,), generator=gen))
+    later = torch.randperm(num_tokens - 5, generator=gen)[:repeats - 1] + 5
+    slots[later] = int(slots[first])
+    args = _reshape_args(key=torch.randn(num_tokens, 2, 64, generator=gen),
+                         value=torch.randn(num_tokens, 2, 64, generator=gen),
+                         key_cache=torch.zeros(4, 8, 2, 64), value_cache=torch.zeros(4, 8, 2, 64),
+                         slot_mapping=slots)
+    with pytest.raises(RuntimeError, match=rf"reshape_and_cache: slot_mapping\[{int(later.min())}\] "
+                       rf"must differ from every other non-negative slot .*, got "
+                       rf"{int(slots[first])}, the same as slot_mapping\[{first}\]"):
+        ops.reshape_and_cache(**args)
+    with pytest.raises(ValueError, match="repeats"):
+        reference.reshape_and_cache(**args)
+    args["slot_mapping"] = torch.tensor([-1] * num_tokens)  # padding only: nothing written
+    ops.reshape_and_cache(**args)
+    assert not args["key_cache"].any()
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_reshape_and_cache_duplicate_slots_on_cuda(gen):
+    """CUDA checks duplicates only under PAGEDSPEC_DEBUG=1 (a device-to-host copy). Without it,
+    every element of a repeated slot holds one of its tokens' values and no other slot changes."""
+    import os
+    import subprocess
+    import sys
+
+    if os.environ.get("PAGEDSPEC_DEBUG") != "1":
+        key = torch.randn(6, 2, 64, generator=gen).half().cuda()
+        slots = torch.tensor([3, 7, 3, -1, 3, 9]).cuda()
+        cache = torch.zeros(2, 8, 2, 64, dtype=torch.half, device="cuda")
+        ops.reshape_and_cache(key, key, cache, cache.clone(), slots)
+        flat = cache.view(16, 2, 64)
+        assert torch.equal(flat[7], key[1]) and torch.equal(flat[9], key[5])
+        landed = flat[3]
+        assert ((landed == key[0]) | (landed == key[2]) | (landed == key[4])).all()
+        untouched = [s for s in range(16) if s not in (3, 7, 9)]
+        assert not flat[untouched].any()
+    code = ("import torch; from pagedspec import ops\n"
+            "k = torch.randn(3, 2, 64, device='cuda')\n"
+            "c = torch.zeros(2, 8, 2, 64, device='cuda')\n"
+            "try:\n    ops.reshape_and_cache(k, k, c, c.clone(), torch.tensor([5, 1, 5], device='cuda'))\n"
+            "except RuntimeError as e:\n    print(e)\n")
+    env = dict(os.environ, PAGEDSPEC_DEBUG="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert "slot_mapping[2] must differ from every other non-negative slot" in out.stdout, out
+
+
 def _cow_mapping(gen, num_blocks: int, n: int) -> torch.Tensor:
     """n (src, dst) pairs with distinct dsts, no dst used as a src: a valid copy-on-write step."""
     perm = torch.randperm(num_blocks, generator=gen)

@@ -53,7 +53,7 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
                            const c10::optional<at::Tensor>& v_scale) {
   const ReshapeAndCacheArgs args =
       check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
-  check_slots_in_range("reshape_and_cache", slot_mapping, args.geo.num_slots());
+  check_slot_mapping_values("reshape_and_cache", slot_mapping, args.geo.num_slots());
   PAGEDSPEC_DISPATCH_ACTIVATION(key.scalar_type(), "reshape_and_cache", "key", [&] {
     PAGEDSPEC_DISPATCH_CACHE_FORMAT(args.format, [&] {
       const auto p = make_reshape_and_cache_params<scalar_t, cache_t>(

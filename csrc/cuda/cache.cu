@@ -22,7 +22,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t t = blockIdx.x;
   const int64_t slot = p.slot_mapping[t];
   // -1 is padding; an out-of-range slot (caught on the host only with PAGEDSPEC_DEBUG=1) is
-  // dropped rather than written out of bounds.
+  // dropped rather than written out of bounds. A slot repeated by several tokens (also a debug
+  // check) is written by each of their blocks: every element ends up holding one of those
+  // tokens' values, which one unspecified, and nothing outside the slot is touched.
   if (slot < 0 || slot >= p.geo.num_slots()) return;
   const int head_size = p.geo.head_size;
   const int vecs = p.geo.num_kv_heads * head_size / VEC;
@@ -55,7 +57,7 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
   const ReshapeAndCacheArgs args =
       check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
   if (debug_checks_enabled()) {
-    check_slots_in_range("reshape_and_cache", slot_mapping.cpu(), args.geo.num_slots());
+    check_slot_mapping_values("reshape_and_cache", slot_mapping.cpu(), args.geo.num_slots());
   }
   if (args.num_tokens == 0) return;
   const c10::cuda::CUDAGuard guard(key.device());

@@ -68,8 +68,14 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       k_scale: Optional[torch.Tensor] = None,
                       v_scale: Optional[torch.Tensor] = None) -> None:
-    """Token t's K/V go to slot slot_mapping[t] (-1 skips), converted to the cache dtype."""
+    """Token t's K/V go to slot slot_mapping[t] (-1 skips), converted to the cache dtype.
+
+    A slot may be written once per call: a repeated non-negative slot is an error.
+    """
     block_size = key_cache.shape[1]
+    used = [slot for slot in slot_mapping.tolist() if slot >= 0]
+    if len(set(used)) != len(used):
+        raise ValueError("reshape_and_cache: a non-negative slot repeats in slot_mapping")
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
