@@ -154,6 +154,54 @@ inline void check_block_mapping_values(const char* op, const at::Tensor& mapping
   }
 }
 
+// Whether two tensors' bytes overlap (views of one buffer at any offsets).
+inline bool bytes_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.device() != b.device() || a.nbytes() == 0 || b.nbytes() == 0) return false;
+  const auto a0 = reinterpret_cast<uintptr_t>(a.const_data_ptr());
+  const auto b0 = reinterpret_cast<uintptr_t>(b.const_data_ptr());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+// Host-side, swap_blocks: the result must not depend on the order of the pairs, so that the CUDA
+// kernel (every pair at once) and the host paths (copies in order, consecutive pairs merged into
+// one copy) agree. So no dst block is written twice, and, when src and dst share memory, no pair
+// reads bytes that a pair (itself included) writes: that rules out chains (a src that is an
+// earlier dst), their reverse, and merged copy ranges that overlap. Overlap is decided on byte
+// addresses, so views of one buffer at any offset are covered. `mapping` must be on CPU and its
+// ids in range (check_block_mapping_values).
+inline void check_swap_pairs_independent(const char* op, const at::Tensor& mapping,
+                                         const at::Tensor& src, const at::Tensor& dst,
+                                         int64_t block_bytes) {
+  const int64_t* p = mapping.const_data_ptr<int64_t>();
+  const int64_t n = mapping.size(0);
+  std::vector<std::pair<int64_t, int64_t>> dsts;  // (dst block, pair), sorted
+  dsts.reserve(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) dsts.emplace_back(p[2 * j + 1], j);
+  std::sort(dsts.begin(), dsts.end());
+  for (size_t i = 1; i < dsts.size(); ++i) {
+    TORCH_CHECK(dsts[i].first != dsts[i - 1].first, "pagedspec.", op, ": block_mapping[",
+                dsts[i].second, ", 1] must differ from every other dst block (each dst block is "
+                "written at most once per call), got ", dsts[i].first, ", the same as "
+                "block_mapping[", dsts[i - 1].second, ", 1]");
+  }
+  if (block_bytes == 0 || !bytes_overlap(src, dst)) return;
+  // Src block s spans bytes [delta + s * bb, delta + (s + 1) * bb) of dst's address space; the
+  // dst blocks it touches are floor(first byte / bb) .. floor(last byte / bb).
+  const int64_t delta = static_cast<int64_t>(reinterpret_cast<uintptr_t>(src.const_data_ptr()) -
+                                             reinterpret_cast<uintptr_t>(dst.const_data_ptr()));
+  const auto floor_div = [](int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); };
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t first = delta + p[2 * j] * block_bytes;
+    const int64_t lo = floor_div(first, block_bytes);
+    const int64_t hi = floor_div(first + block_bytes - 1, block_bytes);
+    const auto it = std::lower_bound(dsts.begin(), dsts.end(), std::pair<int64_t, int64_t>{lo, -1});
+    TORCH_CHECK(it == dsts.end() || it->first > hi, "pagedspec.", op, ": block_mapping[", j,
+                ", 0] must not overlap any dst block of the call when src and dst share memory "
+                "(pairs are not ordered: CUDA copies them all at once), got src block ", p[2 * j],
+                ", which overlaps dst block ", it->first, " of block_mapping[", it->second, ", 1]");
+  }
+}
+
 // Validated arguments of copy_blocks.
 struct CopyBlocksArgs {
   int64_t num_blocks;

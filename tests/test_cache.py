@@ -256,6 +256,74 @@ def test_swap_blocks_cpu_matches_reference(gen):
     assert torch.equal(dst.view(torch.int16), expected.view(torch.int16))
 
 
+def _independent_same_tensor_mapping(gen, num_blocks: int, n: int) -> torch.Tensor:
+    """n pairs within one tensor whose src blocks are never dst blocks: any order gives one result."""
+    perm = torch.randperm(num_blocks, generator=gen)
+    return torch.stack([perm[n:2 * n], perm[:n]], dim=1).to(torch.int64)
+
+
+def test_swap_blocks_within_one_tensor(gen):
+    cache = torch.randn(12, 8, 2, 64, generator=gen)
+    mapping = _independent_same_tensor_mapping(gen, 12, 5)
+    expected = cache.clone()
+    reference.swap_blocks(expected.clone(), expected, mapping)
+    ops.swap_blocks(cache, cache, mapping)
+    assert torch.equal(cache, expected)
+
+
+# Pairs within one tensor whose result depends on their order, or a repeated dst.
+DEPENDENT_PAIRS = [
+    ([[1, 2], [2, 3]], r"block_mapping\[1, 0\] must not overlap any dst block .* got src block 2, "
+                       r"which overlaps dst block 2 of block_mapping\[0, 1\]"),  # chain
+    ([[1, 2], [3, 1]], r"block_mapping\[0, 0\] must not overlap .* dst block 1 of block_mapping\[1, 1\]"),
+    ([[0, 1], [1, 2]], r"block_mapping\[1, 0\] must not overlap"),  # a run whose ranges overlap
+    ([[4, 4]], r"block_mapping\[0, 0\] must not overlap .* dst block 4 of block_mapping\[0, 1\]"),
+    ([[0, 5], [1, 6], [2, 5]], r"block_mapping\[2, 1\] must differ from every other dst block .*"
+                               r"got 5, the same as block_mapping\[0, 1\]"),
+]
+
+
+@pytest.mark.parametrize("mapping, match", DEPENDENT_PAIRS)
+def test_swap_blocks_rejects_order_dependent_pairs(mapping, match, gen):
+    """The CUDA kernel copies all pairs at once, so pairs whose order matters are an error on
+    every path (not "applied in order" on some and a race on others)."""
+    cache = torch.randn(8, 4, 2, 16, generator=gen)
+    before = cache.clone()
+    with pytest.raises(RuntimeError, match=match):
+        ops.swap_blocks(cache, cache, torch.tensor(mapping))
+    assert torch.equal(cache, before), "nothing is copied when the mapping is rejected"
+    with pytest.raises(ValueError):
+        reference.swap_blocks(cache, cache, torch.tensor(mapping))
+
+
+def test_swap_blocks_repeated_dst_between_tensors_is_rejected(gen):
+    src, dst = torch.randn(4, 8, 16, generator=gen), torch.zeros(4, 8, 16)
+    with pytest.raises(RuntimeError, match=r"block_mapping\[1, 1\] must differ from every other dst"):
+        ops.swap_blocks(src, dst, torch.tensor([[0, 2], [1, 2]]))
+
+
+@pytest.mark.parametrize("shift_elems", [1, 8, 32, 100])
+def test_swap_blocks_overlapping_views(shift_elems, gen):
+    """src and dst as views of one buffer at different offsets (also by part of a block): the
+    overlap is found on byte addresses, not block ids."""
+    block = 64  # elements per block
+    buf = torch.randn(16 * block + shift_elems, generator=gen)
+    src = buf[:16 * block].view(16, block)
+    dst = buf[shift_elems:].view(16, block)
+    covers = lambda s, d: (s * block < shift_elems + (d + 1) * block and
+                           shift_elems + d * block < (s + 1) * block)
+    bad = [(s, d) for s in range(16) for d in range(16) if covers(s, d)][::7]
+    for s, d in bad:
+        with pytest.raises(RuntimeError, match=r"must not overlap any dst block"):
+            ops.swap_blocks(src, dst, torch.tensor([[s, d]]))
+    ok = torch.tensor([[0, 12], [1, 14]]) if shift_elems < block else torch.tensor([[0, 10]])
+    expected = buf.clone()
+    reference.swap_blocks(expected[:16 * block].view(16, block),
+                          expected[shift_elems:].view(16, block), ok)
+    ops.swap_blocks(src, dst, ok)
+    assert torch.equal(buf, expected)
+
+
 def test_swap_blocks_opcheck(gen):
     src = torch.randn(4, 8, 2, 64, generator=gen)
     dst = torch.randn(3, 8, 2, 64, generator=gen)
@@ -319,3 +387,44 @@ def test_cache_ops_reject_mixed_devices():
     with pytest.raises(RuntimeError, match=r"scale must be on the same device as input"):
         ops.quantize_fp8(torch.empty(4, 64, dtype=torch.float8_e4m3fn, device="cuda"),
                          torch.randn(4, 64, device="cuda"), torch.tensor(1.0))
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("mapping, match", DEPENDENT_PAIRS)
+def test_swap_blocks_cuda_host_mapping_rejects_order_dependent_pairs(mapping, match, gen):
+    """With the mapping on the host, CUDA checks (and never merges overlapping ranges into one
+    cudaMemcpyAsync, whose behaviour on overlap is undefined)."""
+    cache = torch.randn(8, 4, 2, 16, generator=gen).cuda()
+    with pytest.raises(RuntimeError, match=match):
+        ops.swap_blocks(cache, cache, torch.tensor(mapping))
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_swap_blocks_cuda_within_one_tensor(gen):
+    for mapping_on in ("cpu", "cuda"):
+        cache = torch.randn(12, 8, 2, 64, generator=gen).cuda()
+        mapping = _independent_same_tensor_mapping(gen, 12, 5)
+        expected = cache.cpu()
+        reference.swap_blocks(expected.clone(), expected, mapping)
+        ops.swap_blocks(cache, cache, mapping.to(mapping_on))
+        assert torch.equal(cache.cpu(), expected)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_swap_blocks_cuda_device_mapping_checks_under_debug():
+    """A CUDA-resident mapping is checked only with PAGEDSPEC_DEBUG=1 (it needs a copy)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from pagedspec import ops\n"
+            "c = torch.randn(8, 4, 16, device='cuda')\n"
+            "try:\n    ops.swap_blocks(c, c, torch.tensor([[1, 2], [2, 3]], device='cuda'))\n"
+            "except RuntimeError as e:\n    print(e)\n")
+    env = dict(os.environ, PAGEDSPEC_DEBUG="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert "block_mapping[1, 0] must not overlap any dst block" in out.stdout, out

@@ -90,14 +90,14 @@ void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& b
   check_device_type("swap_blocks", "block_mapping", block_mapping, at::kCPU);
   check_block_mapping_values("swap_blocks", block_mapping, src.size(0), dst.size(0),
                              /*forbid_aliasing=*/false);
+  // The pairs are independent (as the CUDA kernel needs), so their order does not matter.
+  check_swap_pairs_independent("swap_blocks", block_mapping, src, dst, args.block_bytes);
   const int64_t* map = block_mapping.const_data_ptr<int64_t>();
   const char* s = static_cast<const char*>(src.const_data_ptr());
   char* d = static_cast<char*>(dst.data_ptr());
-  // Sequential, in mapping order: with src and dst possibly the same tensor, later rows must see
-  // earlier rows' writes, exactly as a loop of copies would.
   for (int64_t j = 0; j < block_mapping.size(0); ++j) {
-    std::memmove(d + map[2 * j + 1] * args.block_bytes, s + map[2 * j] * args.block_bytes,
-                 args.block_bytes);
+    std::memcpy(d + map[2 * j + 1] * args.block_bytes, s + map[2 * j] * args.block_bytes,
+                args.block_bytes);
   }
 }
 

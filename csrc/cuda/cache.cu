@@ -183,9 +183,11 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
   char* d = static_cast<char*>(dst.data_ptr());
 
   if (block_mapping.is_cpu()) {
-    // The host knows the mapping: one async copy per run of consecutive blocks.
+    // The host knows the mapping: one async copy per run of consecutive blocks. The pairs are
+    // independent (checked), so a merged run's src and dst ranges never overlap.
     check_block_mapping_values(op, block_mapping, src.size(0), dst.size(0),
                                /*forbid_aliasing=*/false);
+    check_swap_pairs_independent(op, block_mapping, src, dst, args.block_bytes);
     const int64_t* map = block_mapping.const_data_ptr<int64_t>();
     for (int64_t j = 0; j < n;) {
       int64_t run = 1;
@@ -201,10 +203,15 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
     return;
   }
 
-  // The mapping is on the device: one kernel, with host memory accessed through its mapping.
+  // The mapping is on the device: one kernel, with host memory accessed through its mapping. Its
+  // pairs run concurrently; dependent pairs (a repeated dst, or src and dst sharing memory with a
+  // pair reading what a pair writes) are caught only with PAGEDSPEC_DEBUG=1, and otherwise leave
+  // the affected dst blocks with unspecified bytes (still only inside those blocks).
   if (debug_checks_enabled()) {
-    check_block_mapping_values(op, block_mapping.cpu(), src.size(0), dst.size(0),
+    const at::Tensor mapping_cpu = block_mapping.cpu();
+    check_block_mapping_values(op, mapping_cpu, src.size(0), dst.size(0),
                                /*forbid_aliasing=*/false);
+    check_swap_pairs_independent(op, mapping_cpu, src, dst, args.block_bytes);
   }
   SwapBlocksParams p{};
   p.src = static_cast<const char*>(device_address(src, "src"));

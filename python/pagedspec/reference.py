@@ -105,8 +105,26 @@ def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """dst[block_mapping[j, 1]] := src[block_mapping[j, 0]] for every j, in order."""
-    for s, d in block_mapping.tolist():
+    """dst[block_mapping[j, 1]] := src[block_mapping[j, 0]] for every j.
+
+    The pairs must be independent, so their order does not matter: no dst block repeats, and when
+    src and dst share memory no src block overlaps any dst block of the call.
+    """
+    pairs = block_mapping.tolist()
+    dsts = [d for _, d in pairs]
+    if len(set(dsts)) != len(dsts):
+        raise ValueError("swap_blocks: a dst block repeats")
+    block_bytes = src[0].nbytes if src.shape[0] else 0
+    if src.device == dst.device and block_bytes:
+        src_start, dst_start = src.data_ptr(), dst.data_ptr()
+        if src_start < dst_start + dst.nbytes and dst_start < src_start + src.nbytes:
+            for s, _ in pairs:
+                a = src_start + s * block_bytes  # src block s's bytes: [a, a + block_bytes)
+                for d in dsts:
+                    b = dst_start + d * block_bytes
+                    if a < b + block_bytes and b < a + block_bytes:
+                        raise ValueError(f"swap_blocks: src block {s} overlaps dst block {d}")
+    for s, d in pairs:
         dst[d] = src[s].to(dst.device)
 
 
