@@ -7,6 +7,7 @@
 #include <c10/util/accumulate.h>
 
 #include <algorithm>
+#include <string>
 #include <unordered_set>
 #include <utility>
 #include <vector>
@@ -25,6 +26,18 @@ inline void check_cache_tensor(const char* op, const char* name, const at::Tenso
 inline CacheGeometry cache_geometry(const at::Tensor& cache) {
   return CacheGeometry{cache.size(0), static_cast<int>(cache.size(1)),
                        static_cast<int>(cache.size(2)), static_cast<int>(cache.size(3))};
+}
+
+// CUDA launchers: a cache must start on a 16-byte boundary, since the kernels access it 16 bytes
+// at a time at offsets that are multiples of 16 from its start (whole slots or blocks; the
+// launchers pick narrower accesses when a slot or block is not a multiple of 16 bytes). A view at
+// an odd offset would otherwise fault. Same rule as the attention kernels' caches.
+inline void check_cache_alignment(const char* op, const std::string& name, const at::Tensor& cache) {
+  const auto address = reinterpret_cast<uintptr_t>(cache.const_data_ptr());
+  TORCH_CHECK(address % 16 == 0, "pagedspec.", op, ": ", name,
+              " must start on a 16-byte boundary on CUDA (the kernel accesses it 16 bytes at a "
+              "time), got address ", cache.const_data_ptr(), " (storage offset ",
+              cache.storage_offset(), " elements of ", cache.element_size(), " bytes)");
 }
 
 // Validated arguments of reshape_and_cache (everything but the data pointers' types).

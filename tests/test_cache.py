@@ -428,3 +428,36 @@ def test_swap_blocks_cuda_device_mapping_checks_under_debug():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)
     assert "block_mapping[1, 0] must not overlap any dst block" in out.stdout, out
+
+
+def _misaligned_cache(shape, dtype=torch.float16, device="cuda") -> torch.Tensor:
+    """A contiguous cache view one element past a 16-byte boundary."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    return torch.zeros(numel + 1, dtype=dtype, device=device)[1:].view(shape)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("which", ["key_cache", "value_cache"])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn])
+def test_reshape_and_cache_cuda_rejects_misaligned_cache(which, cache_dtype, gen):
+    key = torch.randn(4, 2, 64, generator=gen).half().cuda()
+    caches = {"key_cache": torch.zeros(2, 8, 2, 64, dtype=cache_dtype, device="cuda"),
+              "value_cache": torch.zeros(2, 8, 2, 64, dtype=cache_dtype, device="cuda")}
+    caches[which] = _misaligned_cache((2, 8, 2, 64), cache_dtype)
+    with pytest.raises(RuntimeError, match=rf"reshape_and_cache: {which} must start on a 16-byte "
+                                           r"boundary on CUDA .* \(storage offset 1 elements"):
+        ops.reshape_and_cache(key, key.clone(), caches["key_cache"], caches["value_cache"],
+                              torch.arange(4, device="cuda"))
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_copy_blocks_cuda_rejects_misaligned_cache(gen):
+    good = [torch.zeros(4, 8, 2, 64, dtype=torch.float16, device="cuda") for _ in range(3)]
+    bad = _misaligned_cache((4, 8, 2, 64))
+    with pytest.raises(RuntimeError, match=r"copy_blocks: value_caches\[1\] must start on a "
+                                           r"16-byte boundary on CUDA"):
+        ops.copy_blocks(good[:2], [good[2], bad], torch.tensor([[0, 1]], device="cuda"))

@@ -60,6 +60,8 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
     check_slot_mapping_values("reshape_and_cache", slot_mapping.cpu(), args.geo.num_slots());
   }
   if (args.num_tokens == 0) return;
+  check_cache_alignment("reshape_and_cache", "key_cache", key_cache);
+  check_cache_alignment("reshape_and_cache", "value_cache", value_cache);
   const c10::cuda::CUDAGuard guard(key.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   PAGEDSPEC_DISPATCH_ACTIVATION(key.scalar_type(), "reshape_and_cache", "key", [&] {
@@ -69,7 +71,9 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
       const auto p = make_reshape_and_cache_params<in_t, store_t>(key, value, key_cache,
                                                                   value_cache, slot_mapping, args);
       constexpr int kVec = kVec16<in_t>;
-      // 16-byte loads need every row start aligned; otherwise fall back to scalar accesses.
+      // 16-byte loads need every row start aligned; otherwise fall back to scalar accesses. (The
+      // caches start 16-byte aligned, checked above, and a slot is a multiple of kVec elements
+      // when head_size is, so the cache side of a vector access is aligned too.)
       const bool vectorizable =
           args.geo.head_size % kVec == 0 && p.key_token_stride % kVec == 0 &&
           p.key_head_stride % kVec == 0 && p.value_token_stride % kVec == 0 &&
@@ -118,9 +122,15 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
     check_block_mapping_values("copy_blocks", block_mapping.cpu(), args.num_blocks,
                                args.num_blocks, /*forbid_aliasing=*/true);
   }
+  const int64_t layers = static_cast<int64_t>(key_caches.size());
+  // The uint4 path (block_bytes % 16 == 0) needs each cache's base 16-byte aligned.
+  for (int64_t l = 0; l < layers; ++l) {
+    check_cache_alignment("copy_blocks", "key_caches[" + std::to_string(l) + "]", key_caches[l]);
+    check_cache_alignment("copy_blocks", "value_caches[" + std::to_string(l) + "]",
+                          value_caches[l]);
+  }
   const c10::cuda::CUDAGuard guard(key_caches[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t layers = static_cast<int64_t>(key_caches.size());
   // Layer pointers travel in the kernel's parameters: one launch per kCopyBlocksMaxLayers layers.
   for (int64_t first = 0; first < layers; first += kCopyBlocksMaxLayers) {
     CopyBlocksParams p{};
