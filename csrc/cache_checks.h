@@ -32,7 +32,8 @@ inline CacheGeometry cache_geometry(const at::Tensor& cache) {
 // at a time at offsets that are multiples of 16 from its start (whole slots or blocks; the
 // launchers pick narrower accesses when a slot or block is not a multiple of 16 bytes). A view at
 // an odd offset would otherwise fault. Same rule as the attention kernels' caches.
-inline void check_cache_alignment(const char* op, const std::string& name, const at::Tensor& cache) {
+inline void check_cache_alignment(const char* op, const std::string& name,
+                                  const at::Tensor& cache) {
   const auto address = reinterpret_cast<uintptr_t>(cache.const_data_ptr());
   TORCH_CHECK(address % 16 == 0, "pagedspec.", op, ": ", name,
               " must start on a 16-byte boundary on CUDA (the kernel accesses it 16 bytes at a "
@@ -128,8 +129,8 @@ inline void check_slot_mapping_values(const char* op, const at::Tensor& slots, i
   for (size_t i = 1; i < used.size(); ++i) {
     TORCH_CHECK(used[i].first != used[i - 1].first, "pagedspec.", op, ": slot_mapping[",
                 used[i].second, "] must differ from every other non-negative slot (each slot is "
-                "written at most once per call), got ", used[i].first, ", the same as slot_mapping[",
-                used[i - 1].second, "]");
+                "written at most once per call), got ", used[i].first,
+                ", the same as slot_mapping[", used[i - 1].second, "]");
   }
 }
 

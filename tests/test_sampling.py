@@ -826,7 +826,7 @@ def test_cuda_vocabulary_limit_follows_the_device_shared_memory(one_hot_draft, g
     by the device's opt-in shared memory per block (7.37 M on sm_90, 3.17 M on sm_89): a vocabulary
     just past it is a clear error, one well inside it runs."""
     optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
-    static_bytes = 2192  # SampleShared (ptxas); the bound below leaves room for the compiler's padding
+    static_bytes = 2192  # SampleShared (ptxas); `inside` leaves 1 KiB more room
     over = optin // 4 * 128 + 128
     inside = (optin - static_bytes - 1024) // 4 * 128
     for vocab, fits in ((over, False), (inside, True)):

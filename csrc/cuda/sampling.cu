@@ -320,8 +320,8 @@ __global__ void __launch_bounds__(kGreedyThreads) greedy_verify_kernel(const Gre
 // What rejection_sample_kernel<kVec> can use on one device: the tile totals take 4 bytes of
 // dynamic shared memory per 128 tokens, beside the kernel's static shared memory (SampleShared),
 // within the device's opt-in maximum per block. So the largest vocabulary is
-// floor((opt-in - static) / 4) * 128: with its 2192 static bytes (ptxas), about 7.37 M tokens on sm_90
-// (227 KiB), 5.27 M on sm_80 (163 KiB), 3.17 M on sm_86 / sm_89 (99 KiB).
+// floor((opt-in - static) / 4) * 128: with its 2192 static bytes (ptxas), about 7.37 M tokens
+// on sm_90 (227 KiB), 5.27 M on sm_80 (163 KiB), 3.17 M on sm_86 / sm_89 (99 KiB).
 struct SampleSmemLimit {
   size_t max_dynamic_bytes;
   int64_t max_vocab;
@@ -334,16 +334,18 @@ const SampleSmemLimit& sample_smem_limit(int device) {
     cudaFuncAttributes attr{};
     C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, rejection_sample_kernel<kVec>));
     const int64_t optin = device_info(d).max_smem_optin_bytes;
-    const int64_t dynamic = std::max<int64_t>(optin - static_cast<int64_t>(attr.sharedSizeBytes), 0);
+    const int64_t static_bytes = static_cast<int64_t>(attr.sharedSizeBytes);
+    const int64_t dynamic = std::max<int64_t>(optin - static_bytes, 0);
     // Raise the kernel's limit to the device maximum once (on this device: the caller holds its
     // guard): a per-call value could be lowered by another host thread between its
     // cudaFuncSetAttribute and our launch.
-    if (static_cast<int64_t>(attr.sharedSizeBytes) + dynamic > 48 * 1024) {
+    if (static_bytes + dynamic > 48 * 1024) {
       C10_CUDA_CHECK(cudaFuncSetAttribute(rejection_sample_kernel<kVec>,
                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           static_cast<int>(dynamic)));
     }
-    return SampleSmemLimit{static_cast<size_t>(dynamic), dynamic / int64_t(sizeof(float)) * kSampleTile};
+    return SampleSmemLimit{static_cast<size_t>(dynamic),
+                           dynamic / int64_t(sizeof(float)) * kSampleTile};
   });
 }
 
@@ -354,9 +356,9 @@ void check_sample_smem(size_t bytes, int64_t vocab, int device) {
   const SampleSmemLimit& limit = sample_smem_limit<kVec>(device);
   TORCH_CHECK(bytes <= limit.max_dynamic_bytes,
               "pagedspec.rejection_sample: target_probs.size(2) (vocabulary size) must be at most ",
-              limit.max_vocab, " on this GPU (device ", device, ": 4 bytes of its ",
-              device_info(device).max_smem_optin_bytes, " bytes of opt-in shared memory per block "
-              "per 128 tokens), got ", vocab);
+              limit.max_vocab, " on this GPU (the kernel keeps 4 bytes of shared memory per 128 "
+              "tokens; device ", device, " allows ", device_info(device).max_smem_optin_bytes,
+              " bytes per block), got ", vocab);
 }
 
 std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
