@@ -6,7 +6,11 @@
 
 #include <c10/util/accumulate.h>
 
+#include <algorithm>
+#include <string>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 #include "checks.h"
 #include "pagedspec/cache_params.h"
@@ -22,6 +26,19 @@ inline void check_cache_tensor(const char* op, const char* name, const at::Tenso
 inline CacheGeometry cache_geometry(const at::Tensor& cache) {
   return CacheGeometry{cache.size(0), static_cast<int>(cache.size(1)),
                        static_cast<int>(cache.size(2)), static_cast<int>(cache.size(3))};
+}
+
+// CUDA launchers: a cache must start on a 16-byte boundary, since the kernels access it 16 bytes
+// at a time at offsets that are multiples of 16 from its start (whole slots or blocks; the
+// launchers pick narrower accesses when a slot or block is not a multiple of 16 bytes). A view at
+// an odd offset would otherwise fault. Same rule as the attention kernels' caches.
+inline void check_cache_alignment(const char* op, const std::string& name,
+                                  const at::Tensor& cache) {
+  const auto address = reinterpret_cast<uintptr_t>(cache.const_data_ptr());
+  TORCH_CHECK(address % 16 == 0, "pagedspec.", op, ": ", name,
+              " must start on a 16-byte boundary on CUDA (the kernel accesses it 16 bytes at a "
+              "time), got address ", cache.const_data_ptr(), " (storage offset ",
+              cache.storage_offset(), " elements of ", cache.element_size(), " bytes)");
 }
 
 // Validated arguments of reshape_and_cache (everything but the data pointers' types).
@@ -97,12 +114,23 @@ ReshapeAndCacheParams<InT, CacheT> make_reshape_and_cache_params(
   return p;
 }
 
-// Host-side: every slot is -1 or inside the cache. `slots` must be a CPU int64 tensor.
-inline void check_slots_in_range(const char* op, const at::Tensor& slots, int64_t num_slots) {
-  const int64_t* p = slots.data_ptr<int64_t>();
+// Host-side: every slot is -1 or inside the cache, and no slot is written twice (which token
+// would land is otherwise up to thread timing). `slots` must be a CPU int64 tensor.
+inline void check_slot_mapping_values(const char* op, const at::Tensor& slots, int64_t num_slots) {
+  const int64_t* p = slots.const_data_ptr<int64_t>();
+  std::vector<std::pair<int64_t, int64_t>> used;  // (slot, token), non-negative slots only
+  used.reserve(static_cast<size_t>(slots.numel()));
   for (int64_t t = 0; t < slots.numel(); ++t) {
     TORCH_CHECK(p[t] >= -1 && p[t] < num_slots, "pagedspec.", op, ": slot_mapping[", t,
                 "] must be -1 or in [0, ", num_slots, "), got ", p[t]);
+    if (p[t] >= 0) used.emplace_back(p[t], t);
+  }
+  std::sort(used.begin(), used.end());
+  for (size_t i = 1; i < used.size(); ++i) {
+    TORCH_CHECK(used[i].first != used[i - 1].first, "pagedspec.", op, ": slot_mapping[",
+                used[i].second, "] must differ from every other non-negative slot (each slot is "
+                "written at most once per call), got ", used[i].first,
+                ", the same as slot_mapping[", used[i - 1].second, "]");
   }
 }
 
@@ -137,6 +165,54 @@ inline void check_block_mapping_values(const char* op, const at::Tensor& mapping
                 " is also a src block; a dst must not be copied from in the same call");
     TORCH_CHECK(dsts.insert(dst).second, "pagedspec.", op, ": block_mapping[", j, ", 1] = ", dst,
                 " repeats an earlier dst block; each dst may be written once");
+  }
+}
+
+// Whether two tensors' bytes overlap (views of one buffer at any offsets).
+inline bool bytes_overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.device() != b.device() || a.nbytes() == 0 || b.nbytes() == 0) return false;
+  const auto a0 = reinterpret_cast<uintptr_t>(a.const_data_ptr());
+  const auto b0 = reinterpret_cast<uintptr_t>(b.const_data_ptr());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+// Host-side, swap_blocks: the result must not depend on the order of the pairs, so that the CUDA
+// kernel (every pair at once) and the host paths (copies in order, consecutive pairs merged into
+// one copy) agree. So no dst block is written twice, and, when src and dst share memory, no pair
+// reads bytes that a pair (itself included) writes: that rules out chains (a src that is an
+// earlier dst), their reverse, and merged copy ranges that overlap. Overlap is decided on byte
+// addresses, so views of one buffer at any offset are covered. `mapping` must be on CPU and its
+// ids in range (check_block_mapping_values).
+inline void check_swap_pairs_independent(const char* op, const at::Tensor& mapping,
+                                         const at::Tensor& src, const at::Tensor& dst,
+                                         int64_t block_bytes) {
+  const int64_t* p = mapping.const_data_ptr<int64_t>();
+  const int64_t n = mapping.size(0);
+  std::vector<std::pair<int64_t, int64_t>> dsts;  // (dst block, pair), sorted
+  dsts.reserve(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) dsts.emplace_back(p[2 * j + 1], j);
+  std::sort(dsts.begin(), dsts.end());
+  for (size_t i = 1; i < dsts.size(); ++i) {
+    TORCH_CHECK(dsts[i].first != dsts[i - 1].first, "pagedspec.", op, ": block_mapping[",
+                dsts[i].second, ", 1] must differ from every other dst block (each dst block is "
+                "written at most once per call), got ", dsts[i].first, ", the same as "
+                "block_mapping[", dsts[i - 1].second, ", 1]");
+  }
+  if (block_bytes == 0 || !bytes_overlap(src, dst)) return;
+  // Src block s spans bytes [delta + s * bb, delta + (s + 1) * bb) of dst's address space; the
+  // dst blocks it touches are floor(first byte / bb) .. floor(last byte / bb).
+  const int64_t delta = static_cast<int64_t>(reinterpret_cast<uintptr_t>(src.const_data_ptr()) -
+                                             reinterpret_cast<uintptr_t>(dst.const_data_ptr()));
+  const auto floor_div = [](int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); };
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t first = delta + p[2 * j] * block_bytes;
+    const int64_t lo = floor_div(first, block_bytes);
+    const int64_t hi = floor_div(first + block_bytes - 1, block_bytes);
+    const auto it = std::lower_bound(dsts.begin(), dsts.end(), std::pair<int64_t, int64_t>{lo, -1});
+    TORCH_CHECK(it == dsts.end() || it->first > hi, "pagedspec.", op, ": block_mapping[", j,
+                ", 0] must not overlap any dst block of the call when src and dst share memory "
+                "(pairs are not ordered: CUDA copies them all at once), got src block ", p[2 * j],
+                ", which overlaps dst block ", it->first, " of block_mapping[", it->second, ", 1]");
   }
 }
 

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <initializer_list>
 #include <sstream>
@@ -106,21 +107,48 @@ inline CacheFormat cache_format(const char* op, const char* name, const at::Tens
   }
 }
 
-// Validates an optional FP8 scale (float32, [] or [num_heads], on `device`) and returns a view of
-// it for the kernels. An absent scale reads as 1.0.
-inline ScaleRef make_scale_ref(const char* op, const char* name,
-                               const c10::optional<at::Tensor>& scale, int64_t num_heads,
-                               const at::Device& device) {
-  if (!scale.has_value()) return ScaleRef{nullptr, false};
-  const at::Tensor& s = *scale;
+// Host-side: every entry of a float32 scale is finite and positive (a zero, negative, infinite or
+// NaN scale turns every stored or read value into garbage). `s` must be a contiguous CPU tensor.
+inline void check_scale_values(const char* op, const char* name, const at::Tensor& s) {
+  const float* p = s.const_data_ptr<float>();
+  for (int64_t i = 0; i < s.numel(); ++i) {
+    if (std::isfinite(p[i]) && p[i] > 0.0f) continue;
+    if (s.dim() == 0) {
+      TORCH_CHECK(false, "pagedspec.", op, ": ", name, " must be finite and positive, got ", p[i]);
+    }
+    TORCH_CHECK(false, "pagedspec.", op, ": ", name, " must be finite and positive, got ", name,
+                "[", i, "] = ", p[i]);
+  }
+}
+
+// Validates an FP8 scale (float32, [] or [num_heads], contiguous, on `device`, finite and
+// positive) and returns a view of it for the kernels. The values are checked whenever the scale
+// is on the host, and on CUDA only with PAGEDSPEC_DEBUG=1 (it needs a device-to-host copy).
+inline ScaleRef make_scale_ref(const char* op, const char* name, const at::Tensor& s,
+                               int64_t num_heads, const at::Device& device) {
   check_dtype(op, name, s, {at::kFloat});
   TORCH_CHECK(s.device() == device, "pagedspec.", op, ": ", name, " must be on ", device,
               ", got ", s.device());
   const bool per_head = s.dim() == 1 && s.size(0) == num_heads;
   TORCH_CHECK(s.dim() == 0 || per_head, "pagedspec.", op, ": ", name,
               " must have shape [] or [", num_heads, "], got ", s.sizes());
-  TORCH_CHECK(s.is_contiguous(), "pagedspec.", op, ": ", name, " must be contiguous");
-  return ScaleRef{s.data_ptr<float>(), per_head};
+  // The kernels read scale[head] from the data pointer: a strided or expanded scale would be
+  // read out of place (or out of bounds).
+  check_contiguous(op, name, s);
+  if (s.is_cpu()) {
+    check_scale_values(op, name, s);
+  } else if (debug_checks_enabled()) {
+    check_scale_values(op, name, s.cpu());
+  }
+  return ScaleRef{s.const_data_ptr<float>(), per_head};
+}
+
+// An optional scale: absent reads as 1.0.
+inline ScaleRef make_scale_ref(const char* op, const char* name,
+                               const c10::optional<at::Tensor>& scale, int64_t num_heads,
+                               const at::Device& device) {
+  if (!scale.has_value()) return ScaleRef{nullptr, false};
+  return make_scale_ref(op, name, *scale, num_heads, device);
 }
 
 }  // namespace pagedspec

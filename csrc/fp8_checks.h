@@ -38,7 +38,8 @@ inline Fp8ConvertArgs check_fp8_convert(const char* op, const at::Tensor& out,
   TORCH_CHECK(scale.dim() == 0 || (scale.dim() == 1 && input.dim() >= 2 && scale.size(0) == heads),
               "pagedspec.", op, ": scale must have shape [] or [input.size(-2)] = [", heads,
               "], got ", scale.sizes());
-  args.scale = ScaleRef{scale.const_data_ptr<float>(), scale.dim() == 1};
+  // Contiguity (a strided per-head scale would be read at the wrong place) and values.
+  args.scale = make_scale_ref(op, "scale", scale, heads, input.device());
   args.numel = input.numel();
   args.head_size = input.dim() >= 1 ? input.size(-1) : 1;
   args.num_heads = args.scale.per_head ? heads : 1;

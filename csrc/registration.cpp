@@ -1,5 +1,5 @@
 // Every pagedspec op schema, in one always-compiled file (the public contract is
-// ../shared/CONTRACT.md). Backend kernels register themselves beside their code:
+// docs/CONTRACT.md). Backend kernels register themselves beside their code:
 // csrc/cpu/*.cpp with TORCH_LIBRARY_IMPL(pagedspec, CPU, m) and csrc/cuda/*.cu with CUDA.
 // Fake (meta) kernels for torch.compile live in python/pagedspec/_fake.py.
 //
@@ -7,29 +7,129 @@
 // slot_mapping, token ids, sketch keys and block mappings are int64.
 
 #include <Python.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
+#include <cstring>
+#include <sstream>
+#include <string>
+
+namespace {
+
+// Why a tensor argument cannot reach a pagedspec kernel ("" when it can). The kernels read and
+// write raw memory, so a lazily conjugated or negated view, an efficient zero tensor (no storage)
+// or a non-strided layout would be misread. Left alone, torch's math-bits fallback would
+// materialize such an argument and write it back, which it cannot do for ops returning `()`: it
+// asserts and the process later aborts with a corrupted heap.
+std::string unplain_reason(const at::Tensor& t) {
+  if (!t.defined()) return "";
+  if (t.is_conj()) return "a tensor with the conjugate bit set (call .resolve_conj() first)";
+  if (t.is_neg()) return "a tensor with the negative bit set (call .resolve_neg() first)";
+  if (t._is_zerotensor()) return "an efficient zero tensor (no storage)";
+  if (t.layout() != at::kStrided) {
+    std::ostringstream os;
+    os << "a tensor with layout " << t.layout() << " (call .to_dense() first)";
+    return os.str();
+  }
+  return "";
+}
+
+// "swap_blocks" for pagedspec::swap_blocks.
+std::string op_name(const c10::OperatorHandle& op) {
+  const std::string& qualified = op.schema().name();
+  return qualified.substr(qualified.find("::") + 2);
+}
+
+// Raises for the first tensor argument (by schema name; list elements as name[i]) that is not a
+// plain dense tensor.
+void check_plain_arguments(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const std::string name = op_name(op);
+  const auto& arguments = op.schema().arguments();
+  const size_t first = stack.size() - arguments.size();
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const c10::IValue& value = stack[first + i];
+    const auto fail = [&](const std::string& arg, const std::string& reason) {
+      TORCH_CHECK(false, "pagedspec.", name, ": ", arg,
+                  " must be a plain dense tensor (no conjugate/negative bit), got ", reason);
+    };
+    if (value.isTensor()) {
+      const std::string reason = unplain_reason(value.toTensor());
+      if (!reason.empty()) fail(arguments[i].name(), reason);
+    } else if (value.isTensorList()) {
+      const auto list = value.toTensorList();
+      for (size_t j = 0; j < list.size(); ++j) {
+        const std::string reason = unplain_reason(list.get(j));
+        if (!reason.empty()) fail(arguments[i].name() + "[" + std::to_string(j) + "]", reason);
+      }
+    }
+  }
+}
+
+// On the Conjugate / Negative / ZeroTensor keys, which sit above the backends: reject, or (no
+// offending argument, which the dispatcher's key computation makes unexpected) run the backend
+// kernel below those keys.
+void reject_math_bits(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                      torch::jit::Stack* stack) {
+  check_plain_arguments(op, *stack);
+  // Conjugate is the lowest of the three keys, so this drops all of them (and everything above).
+  op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER,
+                                                c10::DispatchKey::Conjugate),
+                     stack);
+}
+
+// On the sparse backend keys: some argument is sparse whenever this runs, so it always raises
+// with that argument's name (instead of the dispatcher's "could not run ... with arguments from
+// the 'SparseCPU' backend").
+void reject_sparse(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                   torch::jit::Stack* stack) {
+  check_plain_arguments(op, *stack);
+  TORCH_CHECK(false, "pagedspec.", op_name(op),
+              ": every tensor argument must be a plain dense tensor, got dispatch keys ", keys);
+}
+
+// Defines an op and registers the argument guards above for it.
+void define(torch::Library& m, const char* schema) {
+  m.def(schema);
+  const std::string name(schema, std::strchr(schema, '('));
+  for (const auto key : {c10::DispatchKey::Conjugate, c10::DispatchKey::Negative,
+                         c10::DispatchKey::ZeroTensor}) {
+    m.impl(name.c_str(),
+           torch::dispatch(key, torch::CppFunction::makeFromBoxedFunction<&reject_math_bits>()));
+  }
+  for (const auto key : {c10::DispatchKey::SparseCPU, c10::DispatchKey::SparseCUDA,
+                         c10::DispatchKey::SparseMeta, c10::DispatchKey::SparseCsrCPU,
+                         c10::DispatchKey::SparseCsrCUDA, c10::DispatchKey::SparseCsrMeta}) {
+    m.impl(name.c_str(),
+           torch::dispatch(key, torch::CppFunction::makeFromBoxedFunction<&reject_sparse>()));
+  }
+}
+
+}  // namespace
+
+// Every op is defined through define(): besides its schema, it gets the guards that reject
+// conjugate / negative / zero / sparse tensor arguments with the argument's name.
 TORCH_LIBRARY(pagedspec, m) {
   // Writes token t's key/value into cache slot slot_mapping[t] (-1 skips), converting to the
   // cache dtype (FP8: saturate(x / scale), round to nearest even).
-  m.def(
+  define(m,
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
 
   // Paged attention, one pass per (sequence, KV head group); decode and multi-token verification.
-  m.def(
+  define(m,
       "paged_attention_v1(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor cu_seqlens_q, int max_q_len, float scale, "
       "Tensor? k_scale=None, Tensor? v_scale=None, Tensor(b!)? lse=None, "
       "Tensor(c!)? attn_mass=None) -> ()");
   // Paged attention with the context split into partitions merged by log-sum-exp.
-  m.def(
+  define(m,
       "paged_attention_v2(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor cu_seqlens_q, int max_q_len, float scale, "
       "Tensor? k_scale=None, Tensor? v_scale=None, Tensor(b!)? lse=None, "
       "Tensor(c!)? attn_mass=None) -> ()");
   // Picks v1 or v2 by the documented occupancy/context-length heuristic.
-  m.def(
+  define(m,
       "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor cu_seqlens_q, int max_q_len, float scale, "
       "Tensor? k_scale=None, Tensor? v_scale=None, Tensor(b!)? lse=None, "
@@ -53,36 +153,36 @@ TORCH_LIBRARY(pagedspec, m) {
       "Tensor(c!)? lse=None, Tensor(d!)? attn_mass=None) -> ()");
 
   // out = saturate(input / scale) as FP8 (scale: [] or [input.size(-2)]).
-  m.def("quantize_fp8(Tensor(a!) out, Tensor input, Tensor scale) -> ()");
+  define(m, "quantize_fp8(Tensor(a!) out, Tensor input, Tensor scale) -> ()");
   // out = fp8 input * scale, in out's dtype.
-  m.def("dequantize_fp8(Tensor(a!) out, Tensor input, Tensor scale) -> ()");
+  define(m, "dequantize_fp8(Tensor(a!) out, Tensor input, Tensor scale) -> ()");
 
   // Copy-on-write: copies block src -> dst for every (src, dst) row, in every layer, one launch.
-  m.def(
+  define(m,
       "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) "
       "-> ()");
   // Offload/reload: copies block mapping[j, 0] of src to block mapping[j, 1] of dst, across devices.
-  m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
+  define(m, "swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()");
 
   // Speculative-decoding rejection sampler -> (output_token_ids int64 [B, k+1],
   // num_accepted int32 [B]).
-  m.def(
+  define(m,
       "rejection_sample(Tensor draft_token_ids, Tensor? draft_probs, Tensor target_probs, "
       "Tensor uniform_accept, Tensor uniform_resample, Tensor? num_draft_tokens=None) "
       "-> (Tensor, Tensor)");
   // Greedy verification: accept while draft == target argmax -> same outputs as rejection_sample.
-  m.def(
+  define(m,
       "greedy_verify(Tensor draft_token_ids, Tensor target_token_ids, "
       "Tensor? num_draft_tokens=None) -> (Tensor, Tensor)");
 
   // Count-min sketch update (plain or conservative), saturating int32 counters.
-  m.def(
+  define(m,
       "cms_update(Tensor(a!) sketch, Tensor keys, Tensor? increments=None, "
       "bool conservative=False) -> ()");
   // Count-min sketch point query -> int32 [n] (min over rows).
-  m.def("cms_query(Tensor sketch, Tensor keys) -> Tensor");
+  define(m, "cms_query(Tensor sketch, Tensor keys) -> Tensor");
   // Ages every counter: counter >>= shift.
-  m.def("cms_decay(Tensor(a!) sketch, int shift=1) -> ()");
+  define(m, "cms_decay(Tensor(a!) sketch, int shift=1) -> ()");
 }
 
 // `import pagedspec._C` loads this library (and so runs the registrations above); the module

@@ -126,6 +126,62 @@ def test_reshape_and_cache_bad_inputs(overrides, match):
         ops.reshape_and_cache(**_reshape_args(**overrides))
 
 
+@pytest.mark.parametrize("repeats", [2, 3])
+def test_reshape_and_cache_rejects_duplicate_slots(repeats, gen):
+    """Two tokens in one slot would race (which one lands depends on thread timing), so a repeated
+    non-negative slot is an error; -1 padding may repeat freely."""
+    num_tokens, num_slots = 12, 32
+    slots = _random_slots(gen, num_tokens, num_slots, pad_every=4)
+    slots[[0, 4]] = -1
+    first = int(torch.randint(1, 4, (1,), generator=gen))
+    later = torch.randperm(num_tokens - 5, generator=gen)[:repeats - 1] + 5
+    slots[later] = int(slots[first])
+    args = _reshape_args(key=torch.randn(num_tokens, 2, 64, generator=gen),
+                         value=torch.randn(num_tokens, 2, 64, generator=gen),
+                         key_cache=torch.zeros(4, 8, 2, 64), value_cache=torch.zeros(4, 8, 2, 64),
+                         slot_mapping=slots)
+    with pytest.raises(RuntimeError, match=rf"reshape_and_cache: slot_mapping\[{int(later.min())}\] "
+                       rf"must differ from every other non-negative slot .*, got "
+                       rf"{int(slots[first])}, the same as slot_mapping\[{first}\]"):
+        ops.reshape_and_cache(**args)
+    with pytest.raises(ValueError, match="repeats"):
+        reference.reshape_and_cache(**args)
+    args["slot_mapping"] = torch.tensor([-1] * num_tokens)  # padding only: nothing written
+    ops.reshape_and_cache(**args)
+    assert not args["key_cache"].any()
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_reshape_and_cache_duplicate_slots_on_cuda(gen):
+    """CUDA checks duplicates only under PAGEDSPEC_DEBUG=1 (a device-to-host copy). Without it,
+    every element of a repeated slot holds one of its tokens' values and no other slot changes."""
+    import os
+    import subprocess
+    import sys
+
+    if os.environ.get("PAGEDSPEC_DEBUG") != "1":
+        key = torch.randn(6, 2, 64, generator=gen).half().cuda()
+        slots = torch.tensor([3, 7, 3, -1, 3, 9]).cuda()
+        cache = torch.zeros(2, 8, 2, 64, dtype=torch.half, device="cuda")
+        ops.reshape_and_cache(key, key, cache, cache.clone(), slots)
+        flat = cache.view(16, 2, 64)
+        assert torch.equal(flat[7], key[1]) and torch.equal(flat[9], key[5])
+        landed = flat[3]
+        assert ((landed == key[0]) | (landed == key[2]) | (landed == key[4])).all()
+        untouched = [s for s in range(16) if s not in (3, 7, 9)]
+        assert not flat[untouched].any()
+    code = ("import torch; from pagedspec import ops\n"
+            "k = torch.randn(3, 2, 64, device='cuda')\n"
+            "c = torch.zeros(2, 8, 2, 64, device='cuda')\n"
+            "try:\n    ops.reshape_and_cache(k, k, c, c.clone(), torch.tensor([5, 1, 5], device='cuda'))\n"
+            "except RuntimeError as e:\n    print(e)\n")
+    env = dict(os.environ, PAGEDSPEC_DEBUG="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert "slot_mapping[2] must differ from every other non-negative slot" in out.stdout, out
+
+
 def _cow_mapping(gen, num_blocks: int, n: int) -> torch.Tensor:
     """n (src, dst) pairs with distinct dsts, no dst used as a src: a valid copy-on-write step."""
     perm = torch.randperm(num_blocks, generator=gen)
@@ -200,6 +256,74 @@ def test_swap_blocks_cpu_matches_reference(gen):
     assert torch.equal(dst.view(torch.int16), expected.view(torch.int16))
 
 
+def _independent_same_tensor_mapping(gen, num_blocks: int, n: int) -> torch.Tensor:
+    """n pairs within one tensor whose src blocks are never dst blocks: any order gives one result."""
+    perm = torch.randperm(num_blocks, generator=gen)
+    return torch.stack([perm[n:2 * n], perm[:n]], dim=1).to(torch.int64)
+
+
+def test_swap_blocks_within_one_tensor(gen):
+    cache = torch.randn(12, 8, 2, 64, generator=gen)
+    mapping = _independent_same_tensor_mapping(gen, 12, 5)
+    expected = cache.clone()
+    reference.swap_blocks(expected.clone(), expected, mapping)
+    ops.swap_blocks(cache, cache, mapping)
+    assert torch.equal(cache, expected)
+
+
+# Pairs within one tensor whose result depends on their order, or a repeated dst.
+DEPENDENT_PAIRS = [
+    ([[1, 2], [2, 3]], r"block_mapping\[1, 0\] must not overlap any dst block .* got src block 2, "
+                       r"which overlaps dst block 2 of block_mapping\[0, 1\]"),  # chain
+    ([[1, 2], [3, 1]], r"block_mapping\[0, 0\] must not overlap .* dst block 1 of block_mapping\[1, 1\]"),
+    ([[0, 1], [1, 2]], r"block_mapping\[1, 0\] must not overlap"),  # a run whose ranges overlap
+    ([[4, 4]], r"block_mapping\[0, 0\] must not overlap .* dst block 4 of block_mapping\[0, 1\]"),
+    ([[0, 5], [1, 6], [2, 5]], r"block_mapping\[2, 1\] must differ from every other dst block .*"
+                               r"got 5, the same as block_mapping\[0, 1\]"),
+]
+
+
+@pytest.mark.parametrize("mapping, match", DEPENDENT_PAIRS)
+def test_swap_blocks_rejects_order_dependent_pairs(mapping, match, gen):
+    """The CUDA kernel copies all pairs at once, so pairs whose order matters are an error on
+    every path (not "applied in order" on some and a race on others)."""
+    cache = torch.randn(8, 4, 2, 16, generator=gen)
+    before = cache.clone()
+    with pytest.raises(RuntimeError, match=match):
+        ops.swap_blocks(cache, cache, torch.tensor(mapping))
+    assert torch.equal(cache, before), "nothing is copied when the mapping is rejected"
+    with pytest.raises(ValueError):
+        reference.swap_blocks(cache, cache, torch.tensor(mapping))
+
+
+def test_swap_blocks_repeated_dst_between_tensors_is_rejected(gen):
+    src, dst = torch.randn(4, 8, 16, generator=gen), torch.zeros(4, 8, 16)
+    with pytest.raises(RuntimeError, match=r"block_mapping\[1, 1\] must differ from every other dst"):
+        ops.swap_blocks(src, dst, torch.tensor([[0, 2], [1, 2]]))
+
+
+@pytest.mark.parametrize("shift_elems", [1, 8, 32, 100])
+def test_swap_blocks_overlapping_views(shift_elems, gen):
+    """src and dst as views of one buffer at different offsets (also by part of a block): the
+    overlap is found on byte addresses, not block ids."""
+    block = 64  # elements per block
+    buf = torch.randn(16 * block + shift_elems, generator=gen)
+    src = buf[:16 * block].view(16, block)
+    dst = buf[shift_elems:].view(16, block)
+    covers = lambda s, d: (s * block < shift_elems + (d + 1) * block and
+                           shift_elems + d * block < (s + 1) * block)
+    bad = [(s, d) for s in range(16) for d in range(16) if covers(s, d)][::7]
+    for s, d in bad:
+        with pytest.raises(RuntimeError, match=r"must not overlap any dst block"):
+            ops.swap_blocks(src, dst, torch.tensor([[s, d]]))
+    ok = torch.tensor([[0, 12], [1, 14]]) if shift_elems < block else torch.tensor([[0, 10]])
+    expected = buf.clone()
+    reference.swap_blocks(expected[:16 * block].view(16, block),
+                          expected[shift_elems:].view(16, block), ok)
+    ops.swap_blocks(src, dst, ok)
+    assert torch.equal(buf, expected)
+
+
 def test_swap_blocks_opcheck(gen):
     src = torch.randn(4, 8, 2, 64, generator=gen)
     dst = torch.randn(3, 8, 2, 64, generator=gen)
@@ -263,3 +387,77 @@ def test_cache_ops_reject_mixed_devices():
     with pytest.raises(RuntimeError, match=r"scale must be on the same device as input"):
         ops.quantize_fp8(torch.empty(4, 64, dtype=torch.float8_e4m3fn, device="cuda"),
                          torch.randn(4, 64, device="cuda"), torch.tensor(1.0))
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("mapping, match", DEPENDENT_PAIRS)
+def test_swap_blocks_cuda_host_mapping_rejects_order_dependent_pairs(mapping, match, gen):
+    """With the mapping on the host, CUDA checks (and never merges overlapping ranges into one
+    cudaMemcpyAsync, whose behaviour on overlap is undefined)."""
+    cache = torch.randn(8, 4, 2, 16, generator=gen).cuda()
+    with pytest.raises(RuntimeError, match=match):
+        ops.swap_blocks(cache, cache, torch.tensor(mapping))
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_swap_blocks_cuda_within_one_tensor(gen):
+    for mapping_on in ("cpu", "cuda"):
+        cache = torch.randn(12, 8, 2, 64, generator=gen).cuda()
+        mapping = _independent_same_tensor_mapping(gen, 12, 5)
+        expected = cache.cpu()
+        reference.swap_blocks(expected.clone(), expected, mapping)
+        ops.swap_blocks(cache, cache, mapping.to(mapping_on))
+        assert torch.equal(cache.cpu(), expected)
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_swap_blocks_cuda_device_mapping_checks_under_debug():
+    """A CUDA-resident mapping is checked only with PAGEDSPEC_DEBUG=1 (it needs a copy)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from pagedspec import ops\n"
+            "c = torch.randn(8, 4, 16, device='cuda')\n"
+            "try:\n    ops.swap_blocks(c, c, torch.tensor([[1, 2], [2, 3]], device='cuda'))\n"
+            "except RuntimeError as e:\n    print(e)\n")
+    env = dict(os.environ, PAGEDSPEC_DEBUG="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert "block_mapping[1, 0] must not overlap any dst block" in out.stdout, out
+
+
+def _misaligned_cache(shape, dtype=torch.float16, device="cuda") -> torch.Tensor:
+    """A contiguous cache view one element past a 16-byte boundary."""
+    numel = 1
+    for n in shape:
+        numel *= n
+    return torch.zeros(numel + 1, dtype=dtype, device=device)[1:].view(shape)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("which", ["key_cache", "value_cache"])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn])
+def test_reshape_and_cache_cuda_rejects_misaligned_cache(which, cache_dtype, gen):
+    key = torch.randn(4, 2, 64, generator=gen).half().cuda()
+    caches = {"key_cache": torch.zeros(2, 8, 2, 64, dtype=cache_dtype, device="cuda"),
+              "value_cache": torch.zeros(2, 8, 2, 64, dtype=cache_dtype, device="cuda")}
+    caches[which] = _misaligned_cache((2, 8, 2, 64), cache_dtype)
+    with pytest.raises(RuntimeError, match=rf"reshape_and_cache: {which} must start on a 16-byte "
+                                           r"boundary on CUDA .* \(storage offset 1 elements"):
+        ops.reshape_and_cache(key, key.clone(), caches["key_cache"], caches["value_cache"],
+                              torch.arange(4, device="cuda"))
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_copy_blocks_cuda_rejects_misaligned_cache(gen):
+    good = [torch.zeros(4, 8, 2, 64, dtype=torch.float16, device="cuda") for _ in range(3)]
+    bad = _misaligned_cache((4, 8, 2, 64))
+    with pytest.raises(RuntimeError, match=r"copy_blocks: value_caches\[1\] must start on a "
+                                           r"16-byte boundary on CUDA"):
+        ops.copy_blocks(good[:2], [good[2], bad], torch.tensor([[0, 1]], device="cuda"))

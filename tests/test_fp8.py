@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedspec import ops, reference
-from conftest import DEVICES
+from conftest import DEVICES, requires_cuda
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 WIDE = [torch.float16, torch.bfloat16, torch.float32]
@@ -167,3 +167,111 @@ def test_bad_inputs(make, match):
 def test_dequantize_bad_input_dtype():
     with pytest.raises(RuntimeError, match=r"dequantize_fp8: input must have dtype in \{Float8_e4m3fn"):
         ops.dequantize_fp8(torch.empty(4), torch.randn(4), torch.tensor(1.0))
+
+
+def _convert(op: str, x: torch.Tensor, scale: torch.Tensor, fp8: torch.dtype = torch.float8_e4m3fn):
+    """Runs quantize_fp8 on x, or dequantize_fp8 on x's FP8 codes (quantized with scale 1)."""
+    if op == "quantize_fp8":
+        ops.quantize_fp8(torch.empty(x.shape, dtype=fp8, device=x.device), x, scale)
+    else:
+        codes = x.to(fp8)
+        ops.dequantize_fp8(torch.empty(x.shape, device=x.device), codes, scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["quantize_fp8", "dequantize_fp8"])
+@pytest.mark.parametrize("layout", ["expanded", "strided"])
+def test_non_contiguous_scale_is_rejected(device, op, layout, gen):
+    """The kernels read scale[head] from its data pointer, so a per-head scale must be contiguous:
+    an expanded one was read past its single element (a crash for large head counts), a strided
+    one silently gave heads the wrong scales."""
+    heads = 4
+    x = torch.randn(3, heads, 16, generator=gen).to(device)
+    if layout == "expanded":
+        scale = (torch.rand(1, generator=gen) + 0.5).to(device).expand(heads)
+    else:
+        scale = (torch.rand(2 * heads, generator=gen) + 0.5).to(device)[::2]
+    with pytest.raises(RuntimeError, match=rf"{op}: scale must be contiguous, got strides "):
+        _convert(op, x, scale)
+
+
+def test_expanded_scale_over_many_heads_does_not_crash():
+    """The review's reproducer: 2^24 heads sharing one expanded scale element."""
+    x = torch.zeros(1, 1 << 24, 1)
+    with pytest.raises(RuntimeError, match=r"quantize_fp8: scale must be contiguous"):
+        ops.quantize_fp8(torch.empty(x.shape, dtype=torch.float8_e4m3fn), x,
+                         torch.tensor([2.0]).expand(1 << 24))
+
+
+BAD_SCALES = [0.0, -0.5, float("inf"), float("-inf"), float("nan")]
+
+
+@pytest.mark.parametrize("op", ["quantize_fp8", "dequantize_fp8"])
+@pytest.mark.parametrize("bad", BAD_SCALES)
+@pytest.mark.parametrize("per_head", [False, True])
+def test_non_finite_or_non_positive_scale_is_rejected(op, bad, per_head, gen):
+    heads = 5
+    x = torch.randn(2, heads, 32, generator=gen)
+    if per_head:
+        scale = torch.rand(heads, generator=gen) + 0.5
+        at = int(torch.randint(0, heads, (1,), generator=gen))
+        scale[at] = bad
+        match = rf"{op}: scale must be finite and positive, got scale\[{at}\] = "
+    else:
+        scale = torch.tensor(bad)
+        match = rf"{op}: scale must be finite and positive, got "
+    with pytest.raises(RuntimeError, match=match):
+        _convert(op, x, scale)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_scale_values_are_checked_under_debug():
+    """A CUDA-resident scale's values need a device-to-host copy to check: only with
+    PAGEDSPEC_DEBUG=1 (read at process start, hence the subprocess)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch; from pagedspec import ops\n"
+            "x = torch.randn(4, 2, 64, device='cuda')\n"
+            "out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device='cuda')\n"
+            "try:\n    ops.quantize_fp8(out, x, torch.tensor([1.0, 0.0], device='cuda'))\n"
+            "except RuntimeError as e:\n    print(e)\n")
+    env = dict(os.environ, PAGEDSPEC_DEBUG="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert "quantize_fp8: scale must be finite and positive, got scale[1] = 0" in out.stdout, out
+
+
+def _fp8_cache_call(op: str, gen, k_scale, v_scale):
+    """A minimal valid call of an op that reads k_scale / v_scale of an FP8 cache."""
+    heads, head_size = 2, 64
+    cache = [torch.randint(0, 0x70, (2, 8, heads, head_size), generator=gen,
+                           dtype=torch.uint8).view(torch.float8_e4m3fn) for _ in range(2)]
+    if op == "reshape_and_cache":
+        kv = torch.randn(3, heads, head_size, generator=gen)
+        ops.reshape_and_cache(kv, kv.clone(), *cache, torch.tensor([0, 5, 9]), k_scale, v_scale)
+        return
+    query = torch.randn(2, 2 * heads, head_size, generator=gen)
+    getattr(ops, op)(torch.empty_like(query), query, *cache,
+                     torch.tensor([[0, 1], [1, 0]], dtype=torch.int32),
+                     torch.tensor([5, 12], dtype=torch.int32),
+                     torch.tensor([0, 1, 2], dtype=torch.int32), 1, 0.125, k_scale, v_scale)
+
+
+@pytest.mark.parametrize("op", ["reshape_and_cache", "paged_attention_v1", "paged_attention_v2",
+                                "paged_attention"])
+@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("bad", BAD_SCALES)
+def test_cache_scales_must_be_finite_and_positive(op, which, bad, gen):
+    """The same rule for every op that reads an FP8 cache's scales (make_scale_ref, checks.h)."""
+    scales = {"k_scale": torch.rand(2, generator=gen) + 0.5,
+              "v_scale": torch.rand((), generator=gen) + 0.5}
+    scales[which] = torch.full(scales[which].shape, bad)
+    match = rf"{op}: {which} must be finite and positive, got " + (rf"{which}\[0\] = "
+                                                                   if which == "k_scale" else "")
+    with pytest.raises(RuntimeError, match=match):
+        _fp8_cache_call(op, gen, scales["k_scale"], scales["v_scale"])
+    # Valid scales pass (so the failure above is the scale's).
+    _fp8_cache_call(op, gen, torch.rand(2, generator=gen) + 0.5, torch.rand((), generator=gen) + 0.5)

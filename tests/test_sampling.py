@@ -816,3 +816,29 @@ def test_inverse_cdf_is_monotone_across_empty_tiles(device):
                 tokens.append(int(out[0, 0]))
             assert all(t in support for t in tokens)
             assert tokens == sorted(tokens), f"non-monotone draw near u={boundary}: {tokens}"
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("one_hot_draft", [False, True])
+def test_cuda_vocabulary_limit_follows_the_device_shared_memory(one_hot_draft, gen):
+    """The kernel keeps 4 bytes of shared memory per 128 tokens, so its largest vocabulary is set
+    by the device's opt-in shared memory per block (7.37 M on sm_90, 3.17 M on sm_89): a vocabulary
+    just past it is a clear error, one well inside it runs."""
+    optin = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    static_bytes = 2192  # SampleShared (ptxas); `inside` leaves 1 KiB more room
+    over = optin // 4 * 128 + 128
+    inside = (optin - static_bytes - 1024) // 4 * 128
+    for vocab, fits in ((over, False), (inside, True)):
+        target = torch.zeros(1, 2, vocab, device="cuda")
+        target[:, :, int(torch.randint(0, vocab, (1,), generator=gen))] = 1.0
+        draft = None if one_hot_draft else target[:, :1].clone()
+        args = (torch.zeros(1, 1, dtype=torch.int64, device="cuda"), draft, target,
+                torch.rand(1, 1, generator=gen).cuda(), torch.rand(1, 2, generator=gen).cuda())
+        if fits:
+            ops.rejection_sample(*args)
+            torch.cuda.synchronize()
+        else:
+            with pytest.raises(RuntimeError, match=r"rejection_sample: target_probs.size\(2\) "
+                                                   r"\(vocabulary size\) must be at most \d+ on this GPU"):
+                ops.rejection_sample(*args)

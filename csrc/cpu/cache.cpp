@@ -53,7 +53,7 @@ void reshape_and_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::T
                            const c10::optional<at::Tensor>& v_scale) {
   const ReshapeAndCacheArgs args =
       check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
-  check_slots_in_range("reshape_and_cache", slot_mapping, args.geo.num_slots());
+  check_slot_mapping_values("reshape_and_cache", slot_mapping, args.geo.num_slots());
   PAGEDSPEC_DISPATCH_ACTIVATION(key.scalar_type(), "reshape_and_cache", "key", [&] {
     PAGEDSPEC_DISPATCH_CACHE_FORMAT(args.format, [&] {
       const auto p = make_reshape_and_cache_params<scalar_t, cache_t>(
@@ -90,14 +90,14 @@ void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& b
   check_device_type("swap_blocks", "block_mapping", block_mapping, at::kCPU);
   check_block_mapping_values("swap_blocks", block_mapping, src.size(0), dst.size(0),
                              /*forbid_aliasing=*/false);
+  // The pairs are independent (as the CUDA kernel needs), so their order does not matter.
+  check_swap_pairs_independent("swap_blocks", block_mapping, src, dst, args.block_bytes);
   const int64_t* map = block_mapping.const_data_ptr<int64_t>();
   const char* s = static_cast<const char*>(src.const_data_ptr());
   char* d = static_cast<char*>(dst.data_ptr());
-  // Sequential, in mapping order: with src and dst possibly the same tensor, later rows must see
-  // earlier rows' writes, exactly as a loop of copies would.
   for (int64_t j = 0; j < block_mapping.size(0); ++j) {
-    std::memmove(d + map[2 * j + 1] * args.block_bytes, s + map[2 * j] * args.block_bytes,
-                 args.block_bytes);
+    std::memcpy(d + map[2 * j + 1] * args.block_bytes, s + map[2 * j] * args.block_bytes,
+                args.block_bytes);
   }
 }
 

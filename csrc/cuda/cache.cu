@@ -22,7 +22,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t t = blockIdx.x;
   const int64_t slot = p.slot_mapping[t];
   // -1 is padding; an out-of-range slot (caught on the host only with PAGEDSPEC_DEBUG=1) is
-  // dropped rather than written out of bounds.
+  // dropped rather than written out of bounds. A slot repeated by several tokens (also a debug
+  // check) is written by each of their blocks: every element ends up holding one of those
+  // tokens' values, which one unspecified, and nothing outside the slot is touched.
   if (slot < 0 || slot >= p.geo.num_slots()) return;
   const int head_size = p.geo.head_size;
   const int vecs = p.geo.num_kv_heads * head_size / VEC;
@@ -55,9 +57,11 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
   const ReshapeAndCacheArgs args =
       check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
   if (debug_checks_enabled()) {
-    check_slots_in_range("reshape_and_cache", slot_mapping.cpu(), args.geo.num_slots());
+    check_slot_mapping_values("reshape_and_cache", slot_mapping.cpu(), args.geo.num_slots());
   }
   if (args.num_tokens == 0) return;
+  check_cache_alignment("reshape_and_cache", "key_cache", key_cache);
+  check_cache_alignment("reshape_and_cache", "value_cache", value_cache);
   const c10::cuda::CUDAGuard guard(key.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   PAGEDSPEC_DISPATCH_ACTIVATION(key.scalar_type(), "reshape_and_cache", "key", [&] {
@@ -67,7 +71,9 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
       const auto p = make_reshape_and_cache_params<in_t, store_t>(key, value, key_cache,
                                                                   value_cache, slot_mapping, args);
       constexpr int kVec = kVec16<in_t>;
-      // 16-byte loads need every row start aligned; otherwise fall back to scalar accesses.
+      // 16-byte loads need every row start aligned; otherwise fall back to scalar accesses. (The
+      // caches start 16-byte aligned, checked above, and a slot is a multiple of kVec elements
+      // when head_size is, so the cache side of a vector access is aligned too.)
       const bool vectorizable =
           args.geo.head_size % kVec == 0 && p.key_token_stride % kVec == 0 &&
           p.key_head_stride % kVec == 0 && p.value_token_stride % kVec == 0 &&
@@ -116,9 +122,15 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
     check_block_mapping_values("copy_blocks", block_mapping.cpu(), args.num_blocks,
                                args.num_blocks, /*forbid_aliasing=*/true);
   }
+  const int64_t layers = static_cast<int64_t>(key_caches.size());
+  // The uint4 path (block_bytes % 16 == 0) needs each cache's base 16-byte aligned.
+  for (int64_t l = 0; l < layers; ++l) {
+    check_cache_alignment("copy_blocks", "key_caches[" + std::to_string(l) + "]", key_caches[l]);
+    check_cache_alignment("copy_blocks", "value_caches[" + std::to_string(l) + "]",
+                          value_caches[l]);
+  }
   const c10::cuda::CUDAGuard guard(key_caches[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t layers = static_cast<int64_t>(key_caches.size());
   // Layer pointers travel in the kernel's parameters: one launch per kCopyBlocksMaxLayers layers.
   for (int64_t first = 0; first < layers; first += kCopyBlocksMaxLayers) {
     CopyBlocksParams p{};
@@ -181,9 +193,11 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
   char* d = static_cast<char*>(dst.data_ptr());
 
   if (block_mapping.is_cpu()) {
-    // The host knows the mapping: one async copy per run of consecutive blocks.
+    // The host knows the mapping: one async copy per run of consecutive blocks. The pairs are
+    // independent (checked), so a merged run's src and dst ranges never overlap.
     check_block_mapping_values(op, block_mapping, src.size(0), dst.size(0),
                                /*forbid_aliasing=*/false);
+    check_swap_pairs_independent(op, block_mapping, src, dst, args.block_bytes);
     const int64_t* map = block_mapping.const_data_ptr<int64_t>();
     for (int64_t j = 0; j < n;) {
       int64_t run = 1;
@@ -199,10 +213,15 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
     return;
   }
 
-  // The mapping is on the device: one kernel, with host memory accessed through its mapping.
+  // The mapping is on the device: one kernel, with host memory accessed through its mapping. Its
+  // pairs run concurrently; dependent pairs (a repeated dst, or src and dst sharing memory with a
+  // pair reading what a pair writes) are caught only with PAGEDSPEC_DEBUG=1, and otherwise leave
+  // the affected dst blocks with unspecified bytes (still only inside those blocks).
   if (debug_checks_enabled()) {
-    check_block_mapping_values(op, block_mapping.cpu(), src.size(0), dst.size(0),
+    const at::Tensor mapping_cpu = block_mapping.cpu();
+    check_block_mapping_values(op, mapping_cpu, src.size(0), dst.size(0),
                                /*forbid_aliasing=*/false);
+    check_swap_pairs_independent(op, mapping_cpu, src, dst, args.block_bytes);
   }
   SwapBlocksParams p{};
   p.src = static_cast<const char*>(device_address(src, "src"));

@@ -20,8 +20,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <mutex>
-
+#include <algorithm>
 #include <climits>
 
 #include "cuda/cuda_utils.cuh"
@@ -318,25 +317,48 @@ __global__ void __launch_bounds__(kGreedyThreads) greedy_verify_kernel(const Gre
 }
 
 
+// What rejection_sample_kernel<kVec> can use on one device: the tile totals take 4 bytes of
+// dynamic shared memory per 128 tokens, beside the kernel's static shared memory (SampleShared),
+// within the device's opt-in maximum per block. So the largest vocabulary is
+// floor((opt-in - static) / 4) * 128: with its 2192 static bytes (ptxas), about 7.37 M tokens
+// on sm_90 (227 KiB), 5.27 M on sm_80 (163 KiB), 3.17 M on sm_86 / sm_89 (99 KiB).
+struct SampleSmemLimit {
+  size_t max_dynamic_bytes;
+  int64_t max_vocab;
+};
+
 template <int kVec>
-void set_dynamic_smem(size_t bytes, int64_t vocab, int device) {
-  // The default limit of 48 KiB per block counts the static SampleShared too.
-  if (bytes + sizeof(SampleShared) <= 48 * 1024) return;
-  int max_bytes = 0;
-  C10_CUDA_CHECK(
-      cudaDeviceGetAttribute(&max_bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const size_t limit = static_cast<size_t>(max_bytes) - sizeof(SampleShared);
-  TORCH_CHECK(bytes <= limit, "pagedspec.rejection_sample: target_probs.size(2) (vocabulary size) ",
-              "must be at most ", limit / sizeof(float) * kSampleTile,
-              " on this GPU (4 bytes of shared memory per 128 tokens), got ", vocab);
-  // Raise the kernel's limit to the device maximum once: a per-call value could be lowered by
-  // another host thread between its cudaFuncSetAttribute and our launch.
-  static std::once_flag raised[64];
-  std::call_once(raised[device % 64], [&] {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(rejection_sample_kernel<kVec>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(limit)));
+const SampleSmemLimit& sample_smem_limit(int device) {
+  static PerDeviceOnce<SampleSmemLimit> cache;  // one per kernel instantiation and device
+  return cache.get(device, [](int d) {
+    cudaFuncAttributes attr{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, rejection_sample_kernel<kVec>));
+    const int64_t optin = device_info(d).max_smem_optin_bytes;
+    const int64_t static_bytes = static_cast<int64_t>(attr.sharedSizeBytes);
+    const int64_t dynamic = std::max<int64_t>(optin - static_bytes, 0);
+    // Raise the kernel's limit to the device maximum once (on this device: the caller holds its
+    // guard): a per-call value could be lowered by another host thread between its
+    // cudaFuncSetAttribute and our launch.
+    if (static_bytes + dynamic > 48 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(rejection_sample_kernel<kVec>,
+                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(dynamic)));
+    }
+    return SampleSmemLimit{static_cast<size_t>(dynamic),
+                           dynamic / int64_t(sizeof(float)) * kSampleTile};
   });
+}
+
+// Checks that `bytes` of tile totals fit this device's shared memory (a clear error naming the
+// largest vocabulary otherwise).
+template <int kVec>
+void check_sample_smem(size_t bytes, int64_t vocab, int device) {
+  const SampleSmemLimit& limit = sample_smem_limit<kVec>(device);
+  TORCH_CHECK(bytes <= limit.max_dynamic_bytes,
+              "pagedspec.rejection_sample: target_probs.size(2) (vocabulary size) must be at most ",
+              limit.max_vocab, " on this GPU (the kernel keeps 4 bytes of shared memory per 128 "
+              "tokens; device ", device, " allows ", device_info(device).max_smem_optin_bytes,
+              " bytes per block), got ", vocab);
 }
 
 std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
@@ -367,10 +389,10 @@ std::tuple<at::Tensor, at::Tensor> rejection_sample_cuda(
                             (p.draft_probs == nullptr || is_aligned(p.draft_probs, 16));
   const int device = target_probs.get_device();
   if (vectorizable) {
-    set_dynamic_smem<4>(smem, args.vocab, device);
+    check_sample_smem<4>(smem, args.vocab, device);
     rejection_sample_kernel<4><<<args.batch, kThreads, smem, stream>>>(p);
   } else {
-    set_dynamic_smem<1>(smem, args.vocab, device);
+    check_sample_smem<1>(smem, args.vocab, device);
     rejection_sample_kernel<1><<<args.batch, kThreads, smem, stream>>>(p);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -9,6 +9,7 @@
 
 #include <stdint.h>
 
+#include "pagedspec/cache_format.h"
 #include "pagedspec/fp8.h"
 #include "pagedspec/macros.h"
 
@@ -22,10 +23,6 @@ struct ScalarConvert<float> {
   static PS_HOST_DEVICE float to_float(float x) { return x; }
   static PS_HOST_DEVICE float from_float(float x) { return x; }
 };
-
-// How the cache stores elements. kNative: the activation dtype itself; kE4M3 / kE5M2: FP8 codes
-// in uint8 storage, scaled.
-enum class CacheFormat : int { kNative = 0, kE4M3 = 1, kE5M2 = 2 };
 
 template <typename CacheT, CacheFormat F>
 struct CacheCodec {
@@ -41,20 +38,20 @@ struct CacheCodec {
 template <>
 struct CacheCodec<uint8_t, CacheFormat::kE4M3> {
   static PS_HOST_DEVICE uint8_t encode(float x, float scale) {
-    return quantize_fp8_value<Fp8Format::kE4M3>(x, scale);
+    return quantize_fp8_value<CacheFormat::kE4M3>(x, scale);
   }
   static PS_HOST_DEVICE float decode(uint8_t c, float scale) {
-    return dequantize_fp8_value<Fp8Format::kE4M3>(c, scale);
+    return dequantize_fp8_value<CacheFormat::kE4M3>(c, scale);
   }
 };
 
 template <>
 struct CacheCodec<uint8_t, CacheFormat::kE5M2> {
   static PS_HOST_DEVICE uint8_t encode(float x, float scale) {
-    return quantize_fp8_value<Fp8Format::kE5M2>(x, scale);
+    return quantize_fp8_value<CacheFormat::kE5M2>(x, scale);
   }
   static PS_HOST_DEVICE float decode(uint8_t c, float scale) {
-    return dequantize_fp8_value<Fp8Format::kE5M2>(c, scale);
+    return dequantize_fp8_value<CacheFormat::kE5M2>(c, scale);
   }
 };
 

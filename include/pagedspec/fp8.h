@@ -11,11 +11,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "pagedspec/cache_format.h"
 #include "pagedspec/macros.h"
 
 namespace pagedspec {
-
-enum class Fp8Format : int { kE4M3 = 0, kE5M2 = 1 };
 
 PS_HOST_DEVICE uint32_t float_as_bits(float x) {
 #if defined(__CUDA_ARCH__)
@@ -40,12 +39,13 @@ PS_HOST_DEVICE float bits_as_float(uint32_t bits) {
 // Per-format constants. kMantBits: stored mantissa bits; kBias: exponent bias;
 // kMaxFinite: largest finite magnitude; kMaxCode: its 7-bit code; kMinNormalBits: float bits of
 // the smallest normal; kSubnormalScale: 2^(mantissa bits + bias - 1), so subnormal code =
-// round(|x| * kSubnormalScale).
-template <Fp8Format F>
+// round(|x| * kSubnormalScale). Defined for the two FP8 formats only (CacheFormat::kNative has
+// no traits, so instantiating an FP8 conversion with it does not compile).
+template <CacheFormat F>
 struct Fp8Traits;
 
 template <>
-struct Fp8Traits<Fp8Format::kE4M3> {
+struct Fp8Traits<CacheFormat::kE4M3> {
   static constexpr int kMantBits = 3;
   static constexpr int kBias = 7;
   static constexpr float kMaxFinite = 448.0f;
@@ -56,7 +56,7 @@ struct Fp8Traits<Fp8Format::kE4M3> {
 };
 
 template <>
-struct Fp8Traits<Fp8Format::kE5M2> {
+struct Fp8Traits<CacheFormat::kE5M2> {
   static constexpr int kMantBits = 2;
   static constexpr int kBias = 15;
   static constexpr float kMaxFinite = 57344.0f;
@@ -69,7 +69,7 @@ struct Fp8Traits<Fp8Format::kE5M2> {
 // float -> FP8 code with saturation and round-to-nearest-even.
 // Written without branches (every path is computed, then selected) so the CPU loops vectorize;
 // on the GPU the selects become predicated moves.
-template <Fp8Format F>
+template <CacheFormat F>
 PS_HOST_DEVICE uint8_t float_to_fp8(float x) {
   using T = Fp8Traits<F>;
   const uint32_t bits = float_as_bits(x);
@@ -96,7 +96,7 @@ PS_HOST_DEVICE uint8_t float_to_fp8(float x) {
 }
 
 // FP8 code -> float (exact). Branch-free for the same reason as float_to_fp8.
-template <Fp8Format F>
+template <CacheFormat F>
 PS_HOST_DEVICE float fp8_to_float(uint8_t code) {
   using T = Fp8Traits<F>;
   constexpr int kExpBits = 7 - T::kMantBits;
@@ -108,7 +108,7 @@ PS_HOST_DEVICE float fp8_to_float(uint8_t code) {
   const uint32_t subnormal =
       sign | float_as_bits(static_cast<float>(mant) * (1.0f / T::kSubnormalScale));
   uint32_t bits = exp == 0 ? subnormal : normal;
-  if constexpr (F == Fp8Format::kE4M3) {
+  if constexpr (F == CacheFormat::kE4M3) {
     bits = (code & 0x7Fu) == 0x7Fu ? (sign | 0x7FC00000u) : bits;  // e4m3fn: only NaN, no inf
   } else {
     bits = exp == kExpMax ? (sign | (mant == 0 ? 0x7F800000u : 0x7FC00000u)) : bits;  // inf/NaN
@@ -118,12 +118,12 @@ PS_HOST_DEVICE float fp8_to_float(uint8_t code) {
 
 // Quantize with a scale: stored = saturate(x / scale). True division (not a reciprocal
 // multiply) so the result matches the reference bit for bit.
-template <Fp8Format F>
+template <CacheFormat F>
 PS_HOST_DEVICE uint8_t quantize_fp8_value(float x, float scale) {
   return float_to_fp8<F>(x / scale);
 }
 
-template <Fp8Format F>
+template <CacheFormat F>
 PS_HOST_DEVICE float dequantize_fp8_value(uint8_t code, float scale) {
   return fp8_to_float<F>(code) * scale;
 }

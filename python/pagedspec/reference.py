@@ -29,8 +29,16 @@ def _scale_for_heads(scale: torch.Tensor, ndim: int) -> torch.Tensor:
 # FP8
 
 
+def _check_scale(scale: torch.Tensor) -> None:
+    """An FP8 scale is finite and positive (anything else turns every value into garbage)."""
+    values = scale.detach().float().flatten()
+    if not bool((torch.isfinite(values) & (values > 0)).all()):
+        raise ValueError(f"FP8 scale must be finite and positive, got {values.tolist()}")
+
+
 def quantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) -> None:
     """out = saturate(input / scale) in out's FP8 format (round to nearest even, NaN kept)."""
+    _check_scale(scale)
     fp8_max = FP8_MAX[out.dtype]
     scaled = input.float() / _scale_for_heads(scale, input.dim())
     out.copy_(scaled.clamp(-fp8_max, fp8_max).to(out.dtype))
@@ -38,6 +46,7 @@ def quantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) ->
 
 def dequantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) -> None:
     """out = input * scale, computed in float32."""
+    _check_scale(scale)
     out.copy_((input.float() * _scale_for_heads(scale, input.dim())).to(out.dtype))
 
 
@@ -59,8 +68,14 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
                       value_cache: torch.Tensor, slot_mapping: torch.Tensor,
                       k_scale: Optional[torch.Tensor] = None,
                       v_scale: Optional[torch.Tensor] = None) -> None:
-    """Token t's K/V go to slot slot_mapping[t] (-1 skips), converted to the cache dtype."""
+    """Token t's K/V go to slot slot_mapping[t] (-1 skips), converted to the cache dtype.
+
+    A slot may be written once per call: a repeated non-negative slot is an error.
+    """
     block_size = key_cache.shape[1]
+    used = [slot for slot in slot_mapping.tolist() if slot >= 0]
+    if len(set(used)) != len(used):
+        raise ValueError("reshape_and_cache: a non-negative slot repeats in slot_mapping")
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot < 0:
             continue
@@ -90,8 +105,26 @@ def copy_blocks(key_caches: Sequence[torch.Tensor], value_caches: Sequence[torch
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """dst[block_mapping[j, 1]] := src[block_mapping[j, 0]] for every j, in order."""
-    for s, d in block_mapping.tolist():
+    """dst[block_mapping[j, 1]] := src[block_mapping[j, 0]] for every j.
+
+    The pairs must be independent, so their order does not matter: no dst block repeats, and when
+    src and dst share memory no src block overlaps any dst block of the call.
+    """
+    pairs = block_mapping.tolist()
+    dsts = [d for _, d in pairs]
+    if len(set(dsts)) != len(dsts):
+        raise ValueError("swap_blocks: a dst block repeats")
+    block_bytes = src[0].nbytes if src.shape[0] else 0
+    if src.device == dst.device and block_bytes:
+        src_start, dst_start = src.data_ptr(), dst.data_ptr()
+        if src_start < dst_start + dst.nbytes and dst_start < src_start + src.nbytes:
+            for s, _ in pairs:
+                a = src_start + s * block_bytes  # src block s's bytes: [a, a + block_bytes)
+                for d in dsts:
+                    b = dst_start + d * block_bytes
+                    if a < b + block_bytes and b < a + block_bytes:
+                        raise ValueError(f"swap_blocks: src block {s} overlaps dst block {d}")
+    for s, d in pairs:
         dst[d] = src[s].to(dst.device)
 
 
