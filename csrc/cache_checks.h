@@ -258,6 +258,10 @@ struct SwapBlocksArgs {
 inline SwapBlocksArgs check_swap_blocks(const at::Tensor& src, const at::Tensor& dst,
                                         const at::Tensor& block_mapping) {
   const char* op = "swap_blocks";
+  // None through torch.ops arrives as an undefined tensor (the other ops reach a dtype check
+  // first, which names the argument; these two are compared before any).
+  TORCH_CHECK(src.defined(), "pagedspec.", op, ": src must be a Tensor, got None");
+  TORCH_CHECK(dst.defined(), "pagedspec.", op, ": dst must be a Tensor, got None");
   TORCH_CHECK(src.dim() >= 1, "pagedspec.", op, ": src must have at least 1 dimension");
   check_contiguous(op, "src", src);
   check_contiguous(op, "dst", dst);

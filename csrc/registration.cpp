@@ -140,13 +140,13 @@ TORCH_LIBRARY(pagedspec, m) {
   // the device (partition_size: 0 chooses, -1 never splits, > 0 forces). max_items /
   // max_partial_rows bound the plan (and size it: a CUDA graph captured with one plan runs any
   // plan made with the same bounds). Returns int32 [8 + 2 * num_seqs + 3 * capacity] on the CPU.
-  m.def(
+  define(m,
       "paged_attention_plan(Tensor seq_lens, Tensor cu_seqlens_q, int num_heads, "
       "int num_kv_heads, Device device, int partition_size=0, int max_items=-1, "
       "int max_partial_rows=-1) -> Tensor");
   // paged_attention through a plan (on query's device) and a float32 workspace holding the
   // plan's partial rows; same meaning and arguments as paged_attention.
-  m.def(
+  define(m,
       "paged_attention_run(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor seq_lens, Tensor cu_seqlens_q, int max_q_len, float scale, "
       "Tensor plan, Tensor(b!) workspace, Tensor? k_scale=None, Tensor? v_scale=None, "

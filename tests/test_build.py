@@ -20,6 +20,8 @@ CONTRACT_OPS = {
     "paged_attention_v1": {"out", "lse", "attn_mass"},
     "paged_attention_v2": {"out", "lse", "attn_mass"},
     "paged_attention": {"out", "lse", "attn_mass"},
+    "paged_attention_plan": set(),
+    "paged_attention_run": {"out", "workspace", "lse", "attn_mass"},
     "quantize_fp8": {"out"},
     "dequantize_fp8": {"out"},
     "copy_blocks": {"key_caches", "value_caches"},

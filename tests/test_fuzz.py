@@ -9,10 +9,8 @@ ValueError naming the op and an argument, leaving every output unwritten. Mutati
 crash the process run only in a subprocess (see the regression section). Seeded
 (``PAGEDSPEC_FUZZ_SEED``, default 0); ``PAGEDSPEC_FUZZ_ITERS`` calls per op (default 200).
 
-Mutations that hit a known, not yet fixed finding are left out of the random pass
-(``KNOWN_GAPS``) and covered by the explicit regression cases at the end, marked
-``xfail(strict=True)``: when a fix lands, its case XPASSes (fails), and removing the marker and the
-``KNOWN_GAPS`` entry turns the random pass on for it.
+The explicit regression cases at the end reproduce each finding of the first fuzzer run (and of
+this one), so a fix that regresses fails by name.
 """
 from __future__ import annotations
 
@@ -103,6 +101,24 @@ def valid_attention(g, rng):
                 attn_mass=torch.zeros(NB * BS) if rng.random() < 0.7 else None)
 
 
+def valid_paged_attention_plan(g, rng):
+    return dict(seq_lens=torch.tensor([700, 11], dtype=torch.int32),
+                cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32), num_heads=4,
+                num_kv_heads=2, device=torch.device("cpu"),
+                partition_size=rng.choice([0, -1, 256]), max_items=40,
+                max_partial_rows=-1)
+
+
+def valid_paged_attention_run(g, rng):
+    args = valid_attention(g, rng)
+    plan = ops.plan_paged_attention(args["seq_lens"], args["cu_seqlens_q"], 4, 2, 64, "cpu",
+                                    partition_size=rng.choice([-1, 4, 8]))
+    return dict(**{k: v for k, v in args.items() if k not in ("k_scale", "v_scale", "lse",
+                                                              "attn_mass")},
+                plan=plan.plan, workspace=plan.workspace, k_scale=args["k_scale"],
+                v_scale=args["v_scale"], lse=args["lse"], attn_mass=args["attn_mass"])
+
+
 def valid_quantize_fp8(g, rng):
     x = torch.randn(2, 3, 8, generator=g) * 3
     return dict(out=torch.zeros(2, 3, 8, dtype=rng.choice(FP8)), input=x,
@@ -172,6 +188,8 @@ def valid_cms_decay(g, rng):
 VALID = {
     "reshape_and_cache": valid_reshape_and_cache,
     **{name: valid_attention for name in ATTENTION},
+    "paged_attention_plan": valid_paged_attention_plan,
+    "paged_attention_run": valid_paged_attention_run,
     "quantize_fp8": valid_quantize_fp8,
     "dequantize_fp8": valid_dequantize_fp8,
     "copy_blocks": valid_copy_blocks,
@@ -250,6 +268,9 @@ def _close(actual, expected) -> bool:
     return torch.allclose(actual.float(), expected.float(), rtol=tol, atol=tol, equal_nan=True)
 
 
+SCRATCH = {"workspace"}  # written, but its contents mean nothing after the call
+
+
 def judge(name, args):
     """Call the CPU op on `args`; return None if the outcome is acceptable, else a problem."""
     arg_names = _arg_names(name)
@@ -277,7 +298,7 @@ def judge(name, args):
         expected = _reference(name, ref_args)
     except Exception as e:  # noqa: BLE001
         return f"op accepted a call the reference rejects ({type(e).__name__}: {e})"
-    for a in _mutable(name):
+    for a in _mutable(name) - SCRATCH:
         for i, (got, want) in enumerate(zip(_tensors_of(args[a]), _tensors_of(ref_args[a]))):
             if not _close(got, want):
                 return f"{a}[{i}] differs from the reference"
@@ -342,7 +363,7 @@ def m_dtype(name, args, g, rng):
 def m_rank(name, args, g, rng):
     slot = rng.choice(_tensor_slots(name, args))
     t = _get(args, slot)
-    if t.dim() > 0 and rng.random() < 0.5:
+    if t.dim() > 0 and t.size(-1) > 0 and rng.random() < 0.5:
         _set(args, slot, t.select(-1, 0).contiguous() if rng.random() < 0.5 else t.flatten())
     else:
         _set(args, slot, t.unsqueeze(rng.randrange(t.dim() + 1)))
@@ -478,28 +499,6 @@ MUTATIONS = [m_dtype, m_rank, m_size, m_noncontiguous, m_bad_index, m_alias, m_o
              m_neg_input, m_none, m_bad_int, m_cu_seqlens]
 
 
-def _known_gap(name, label, args):
-    """Findings being fixed in C++, covered by the regression section below; the random pass
-    skips them until then (``PAGEDSPEC_FUZZ_ALL=1`` keeps them). Remove an entry when its
-    regression case's xfail marker goes."""
-    if os.environ.get("PAGEDSPEC_FUZZ_ALL") == "1":
-        return False
-    if label.startswith("overlapping") and name == "reshape_and_cache":
-        return True  # an overlapping cache is a duplicate slot -> test_duplicate_slots
-    if label.startswith("alias") and name == "reshape_and_cache":
-        return True  # key_cache is value_cache: duplicate writes -> test_duplicate_slots
-    if label.startswith("non-contiguous scale"):
-        return name in ("quantize_fp8", "dequantize_fp8")  # -> test_fp8_strided_scale
-    return False
-
-
-def _known_gap_call(name, labels):
-    if os.environ.get("PAGEDSPEC_FUZZ_ALL") == "1":
-        return False
-    # undefined src and dst: C++ error without the op's name -> test_undefined_tensors_named
-    return name == "swap_blocks" and {"None src", "None dst"} <= set(labels)
-
-
 def _fuzz_cases(name):
     rng = random.Random(f"{SEED}:{name}")
     for it in range(ITERS):
@@ -519,9 +518,6 @@ def test_fuzz(name):
     problems, calls = [], 0
     try:
         for it, args, labels in _fuzz_cases(name):
-            if any(_known_gap(name, label, args) for label in labels) or \
-                    _known_gap_call(name, labels):
-                continue
             calls += 1
             problem = judge(name, args)
             if problem:
@@ -716,6 +712,11 @@ def _attention_with(**changes):
 
 
 WRAPPER_MISTAKES = [
+    ("paged_attention_plan heads None", "paged_attention_plan", "num_heads",
+     lambda: ops.paged_attention_plan(torch.zeros(1, dtype=torch.int32),
+                                      torch.zeros(2, dtype=torch.int32), None, 1, "cpu")),
+    ("paged_attention_run plan None", "paged_attention_run", "plan",
+     lambda: ops.paged_attention_run(*[torch.zeros(1)] * 7, 1, 0.1, None, torch.zeros(1))),
     ("rejection_sample 1-D ids", "rejection_sample", "draft_token_ids",
      lambda: ops.rejection_sample(torch.zeros(3, dtype=torch.long), None, torch.rand(1, 4, 5))),
     ("rejection_sample target None", "rejection_sample", "target_probs",
@@ -772,14 +773,9 @@ def test_every_wrapper_has_a_python_level_mistake_case():
 
 
 # ==========================================================================================
-# Regression cases from the first fuzzer run (15,218 mutated calls). Fixes are in progress in
-# C++; each case still failing on this build is xfail(strict=True) naming the fix, so it XPASSes
-# (fails) once the fix lands: then delete the marker (and the matching KNOWN_GAPS entry above).
+# Regression cases from the first fuzzer run (15,218 mutated calls) and from this one: each
+# reproduces one finding, fixed, so that it stays fixed.
 # ==========================================================================================
-
-def _xfail(topic):
-    return pytest.mark.xfail(strict=True, reason=f"fixed in C++ by {topic}")
-
 
 def _raises_naming(name, arg, fn):
     with pytest.raises(ERRORS) as info:
@@ -871,14 +867,10 @@ def crash_results():
 
 
 @pytest.mark.parametrize("case", [
-    pytest.param("crash_fp8_quantize_expanded_scale",
-                 marks=_xfail("fp8 scale contiguity check (segfaults today)")),
-    pytest.param("crash_fp8_dequantize_expanded_scale",
-                 marks=_xfail("fp8 scale contiguity check (segfaults today)")),
-    pytest.param("crash_swap_blocks_conj_dst",
-                 marks=_xfail("conj/neg-bit check on mutable arguments (aborts today)")),
-    pytest.param("crash_attention_neg_bit_lse",
-                 marks=_xfail("conj/neg-bit check on mutable arguments (aborts today)")),
+    pytest.param("crash_fp8_quantize_expanded_scale"),
+    pytest.param("crash_fp8_dequantize_expanded_scale"),
+    pytest.param("crash_swap_blocks_conj_dst"),
+    pytest.param("crash_attention_neg_bit_lse"),
     pytest.param("crash_attention_2_31_stride0_heads"),
 ])
 def test_crash_prone_call_raises_cleanly(crash_results, case):
@@ -891,7 +883,6 @@ def test_every_crash_case_is_checked():
 
 
 @pytest.mark.parametrize("name", ["quantize_fp8", "dequantize_fp8"])
-@_xfail("fp8 scale contiguity check (strided per-head scale read densely today)")
 def test_fp8_strided_scale(name):
     args = (valid_quantize_fp8 if name == "quantize_fp8" else valid_dequantize_fp8)(
         torch.Generator().manual_seed(0), random.Random(0))
@@ -922,7 +913,6 @@ def test_attention_out_aliases_query_with_attn_mass(name):
     torch.testing.assert_close(args["attn_mass"], expected["attn_mass"], rtol=1e-4, atol=1e-5)
 
 
-@_xfail("reshape_and_cache duplicate-slot check on CPU")
 def test_duplicate_slots():
     args = valid_reshape_and_cache(torch.Generator().manual_seed(0), random.Random(0))
     args["slot_mapping"] = torch.tensor([1, 5, 1, -1])
@@ -934,7 +924,6 @@ BAD_SCALES = [0.0, float("inf"), float("nan")]
 
 @pytest.mark.parametrize("value", BAD_SCALES)
 @pytest.mark.parametrize("which", ["k_scale", "v_scale"])
-@_xfail("finite, positive FP8 scale check")
 def test_reshape_and_cache_bad_fp8_scale(which, value):
     args = valid_reshape_and_cache(torch.Generator().manual_seed(0), random.Random(0))
     args["key_cache"] = args["key_cache"].to(torch.float8_e4m3fn)
@@ -946,7 +935,6 @@ def test_reshape_and_cache_bad_fp8_scale(which, value):
 
 @pytest.mark.parametrize("value", BAD_SCALES)
 @pytest.mark.parametrize("name", ["quantize_fp8", "dequantize_fp8"])
-@_xfail("finite, positive FP8 scale check")
 def test_fp8_convert_bad_scale(name, value):
     args = (valid_quantize_fp8 if name == "quantize_fp8" else valid_dequantize_fp8)(
         torch.Generator().manual_seed(0), random.Random(0))
@@ -956,7 +944,6 @@ def test_fp8_convert_bad_scale(name, value):
 
 @pytest.mark.parametrize("value", BAD_SCALES)
 @pytest.mark.parametrize("which", ["k_scale", "v_scale"])
-@_xfail("finite, positive FP8 scale check")
 def test_attention_bad_fp8_scale(which, value):
     args = valid_attention(torch.Generator().manual_seed(0), random.Random(0))
     args["key_cache"] = args["key_cache"].to(torch.float8_e4m3fn)
@@ -993,14 +980,12 @@ SPARSE = [
 
 
 @pytest.mark.parametrize("name, arg", SPARSE)
-@_xfail("sparse-layout check naming the argument")
 def test_sparse_argument_is_named(name, arg):
     args = VALID[name](torch.Generator().manual_seed(0), random.Random(0))
     args[arg] = args[arg].to_sparse()
     _raises_naming(name, arg, lambda: _call(name, args))
 
 
-@_xfail("up-front check for undefined tensors (None through torch.ops)")
 def test_undefined_tensors_named():
     # Found by this fuzzer: with src and dst both undefined, swap_blocks reports
     # "Cannot report itemsize of Tensor that doesn't have initialized dtype" (no op, no argument).

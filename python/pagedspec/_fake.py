@@ -13,6 +13,7 @@ argument: otherwise the call would silently do nothing and return uninitialized 
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -236,7 +237,7 @@ def _attention_fake(op, out, query, key_cache, value_cache, block_tables, seq_le
     num_blocks, block_size, num_kv_heads = key_cache.shape[:3]
     _size(op, "key_cache", key_cache, 3, head_size, "head_size of query")
     _check(head_size in _HEAD_SIZES, op, lambda: "query.size(2) (head_size) must be one of "
-           f"{{64, 80, 96, 112, 128, 256}}, got {head_size}")
+           f"{{{', '.join(map(str, _HEAD_SIZES))}}}, got {head_size}")
     power_of_two = (block_size & (block_size - 1)) == 0 if isinstance(block_size, int) else True
     _check(1 <= block_size <= 1024 and power_of_two, op,
            lambda: "key_cache.size(1) (block_size) must be a power of two in [1, 1024], got "
@@ -260,7 +261,12 @@ def _attention_fake(op, out, query, key_cache, value_cache, block_tables, seq_le
     _check(num_tokens == 0 or max_q_len >= 1, op,
            lambda: f"max_q_len must be >= 1 when there are query tokens, got {max_q_len}")
     _check(num_tokens < 2 ** 31 and num_blocks * block_size < 2 ** 31, op,
-           "num_tokens and num_blocks * block_size must fit in int32")
+           lambda: "num_tokens and num_blocks * block_size must fit in int32, got "
+           f"{num_tokens} and {num_blocks * block_size}")
+    _check(num_tokens * num_heads < 2 ** 31, op,
+           lambda: f"num_tokens x num_heads must fit in int32, got {num_tokens} x {num_heads}")
+    _check(math.isfinite(scale) and scale > 0, op,
+           lambda: f"scale must be finite and > 0, got {scale}")
     if lse is not None:
         _dtype(op, "lse", lse, (torch.float32,))
         _exact_shape(op, "lse", lse, (num_tokens, num_heads))
@@ -289,6 +295,60 @@ def _attention_variant(op: str):
 
 # ------------------------------------------------------------------------------------------
 # FP8 conversion (csrc/fp8_checks.h)
+
+def _paged_attention_plan_fake(seq_lens, cu_seqlens_q, num_heads, num_kv_heads, device,
+                               partition_size=0, max_items=-1, max_partial_rows=-1):
+    op = "paged_attention_plan"
+    _no_meta_mix(op, dict(seq_lens=seq_lens, cu_seqlens_q=cu_seqlens_q))
+    for name, t in (("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
+        _dtype(op, name, t, (torch.int32,))
+        _dim(op, name, t, 1)
+        _contiguous(op, name, t)
+        _check(t.device.type != "cuda", op, lambda: f"{name} must be on the CPU (the plan is "
+               f"made on the host before the step), got {t.device}")
+    num_seqs = seq_lens.size(0)
+    _size(op, "cu_seqlens_q", cu_seqlens_q, 0, num_seqs + 1, "num_seqs + 1")
+    _check(num_kv_heads >= 1 and num_heads >= 1 and num_heads % num_kv_heads == 0, op,
+           lambda: "num_heads must be a positive multiple of num_kv_heads, got "
+           f"{num_heads} and {num_kv_heads}")
+    _check(torch.device(device).type in ("cpu", "cuda"), op,
+           lambda: f"device must be cpu or cuda, got {device}")
+    _check(partition_size >= -1, op, lambda: "partition_size must be 0 (choose), -1 (never "
+           f"split) or a positive size, got {partition_size}")
+    # The capacity is the number of items unless max_items fixes it: data-dependent then.
+    if max_items > 0:
+        capacity = max_items
+    else:
+        try:
+            capacity = torch.library.get_ctx().new_dynamic_size()
+        except RuntimeError as e:  # plain meta tensors: no values, no dynamic sizes
+            raise RuntimeError(f"pagedspec.{op}: max_items must be given to plan on meta "
+                               "tensors (the plan's length depends on seq_lens' values), got "
+                               f"{max_items}") from e
+    return seq_lens.new_empty(8 + 2 * num_seqs + 3 * capacity)
+
+
+def _paged_attention_run_fake(out, query, key_cache, value_cache, block_tables, seq_lens,
+                              cu_seqlens_q, max_q_len, scale, plan, workspace, k_scale=None,
+                              v_scale=None, lse=None, attn_mass=None) -> None:
+    op = "paged_attention_run"
+    _no_meta_mix(op, dict(out=out, query=query, plan=plan, workspace=workspace))
+    _attention_fake(op, out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                    max_q_len, scale, k_scale, v_scale, lse, attn_mass)
+    num_seqs = seq_lens.size(0)
+    _dtype(op, "plan", plan, (torch.int32,))
+    _dim(op, "plan", plan, 1)
+    _contiguous(op, "plan", plan)
+    _same_device(op, "plan", plan, "query", query)
+    fixed = 8 + 2 * num_seqs
+    _check(plan.numel() >= fixed and (plan.numel() - fixed) % 3 == 0, op,
+           lambda: f"plan must have {fixed} + 3 x capacity elements for {num_seqs} sequences "
+           f"(from paged_attention_plan), got {plan.numel()}")
+    _dtype(op, "workspace", workspace, (torch.float32,))
+    _dim(op, "workspace", workspace, 1)
+    _contiguous(op, "workspace", workspace)
+    _same_device(op, "workspace", workspace, "query", query)
+
 
 def _fp8_convert_fake(op: str, quantize: bool):
     def fake(out, input, scale) -> None:
@@ -441,6 +501,8 @@ FAKES = {
     "paged_attention_v1": _attention_variant("paged_attention_v1"),
     "paged_attention_v2": _attention_variant("paged_attention_v2"),
     "paged_attention": _attention_variant("paged_attention"),
+    "paged_attention_plan": _paged_attention_plan_fake,
+    "paged_attention_run": _paged_attention_run_fake,
     "quantize_fp8": _fp8_convert_fake("quantize_fp8", quantize=True),
     "dequantize_fp8": _fp8_convert_fake("dequantize_fp8", quantize=False),
     "rejection_sample": _rejection_sample_fake,

@@ -183,21 +183,123 @@ paged_attention_v1.__doc__ = _attention_doc("v1: one pass per sequence and KV he
     it is kept in shared memory). Best when sequences x KV heads fill the device.
     """
 paged_attention_v2.__doc__ = _attention_doc("v2: context split into partitions, merged by LSE") + """
-    Partitions of 512 positions are processed by separate thread blocks (CPU tasks), which write
-    partial (output, max, sum) to scratch buffers from the caching allocator; a second kernel
-    merges them by log-sum-exp. Best for few sequences with long contexts.
+    Sequences longer than 512 positions are split into 512-position partitions processed by
+    separate thread blocks (CPU tasks), which write partial (output, max, sum) to scratch from the
+    caching allocator; a second kernel merges them by log-sum-exp. CUDA sizes the scratch and the
+    grid by the block table's width (``T * ceil(M * BS / 512)`` partial rows: a table padded far
+    past the real lengths costs idle thread blocks and memory); CPU by the real lengths. To size
+    both by the real lengths on CUDA, use :func:`paged_attention_plan` and
+    :func:`paged_attention_run`. Best for few sequences with long contexts.
     """
 paged_attention.__doc__ = _attention_doc("dispatcher: picks v1 or v2 by occupancy and length") + """
     Heuristic. CUDA: v2 when v1 would run fewer than 4 full waves of thread blocks
     (``num_seqs * num_kv_heads * row_chunks < 4 * SM count * resident blocks per SM``, the last
     from the occupancy calculator; row_chunks = ``ceil(max_q_len * Hq / Hkv / 4)``, a block
-    serving up to 4 query rows) and the block table can hold a context of at least two partitions (``M * BS >= 1024``: the block-table width is the
-    host-side bound on the context, since seq_lens live on the device and reading them would
-    synchronize). With few waves v1 leaves SMs idle (at batch 1 most of them); v2 costs under 1%
-    extra traffic for its partials plus one small launch. Otherwise v1. CPU: v2 when v1 has fewer
-    than two tasks per thread (``torch.get_num_threads()``) and the longest sequence is at least
-    1024 tokens; otherwise v1.
+    serving up to 4 query rows) and the block table can hold a context of at least two
+    partitions (``M * BS >= 1024``: the block-table width is the host-side bound on the context,
+    since seq_lens live on the device and reading them would synchronize). With few waves v1
+    leaves SMs idle (at batch 1 most of them); v2 costs under 1% extra traffic for its partials
+    plus one small launch. Otherwise v1. CPU: the planner of :func:`paged_attention_plan` on the
+    real (host) lengths.
     """
+
+
+def paged_attention_plan(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, num_heads: int,
+                         num_kv_heads: int, device, partition_size: int = 0,
+                         max_items: Optional[int] = None,
+                         max_partial_rows: Optional[int] = None) -> torch.Tensor:
+    """Split-KV plan for one step, made on the host from the step's real lengths.
+
+    Args:
+        seq_lens: int32 ``[B]`` on the CPU: KV length of each sequence, query tokens included.
+        cu_seqlens_q: int32 ``[B + 1]`` on the CPU.
+        num_heads, num_kv_heads: Hq and Hkv of the attention the plan is for.
+        device: where the plan will run (``cpu`` or a ``cuda`` device): the work-item size and
+            the parallelism it plans for (CPU threads; CUDA SMs x resident thread blocks).
+        partition_size: 0 lets the planner choose (no split unless the step has too little work
+            for the device, else the smallest power-of-two multiple of 256 positions that keeps
+            the work within 2 (CPU) or 4 (CUDA) waves); -1 never splits; > 0 forces it.
+        max_items, max_partial_rows: bounds the plan must fit (it splits less to fit). With
+            max_items the plan has exactly that capacity, so one buffer (and a CUDA graph
+            captured with it) serves every step planned with the same bounds.
+
+    Returns:
+        int32 ``[8 + 2 * B + 3 * capacity]`` on the CPU (layout: include/pagedspec/attention_plan.h).
+        Copy it to ``device`` for :func:`paged_attention_run`; ``plan[5]`` is the number of
+        partial rows the workspace must hold (see :func:`plan_paged_attention`).
+    """
+    op = "paged_attention_plan"
+    return _ops.paged_attention_plan.default(
+        _tensor(op, "seq_lens", seq_lens), _tensor(op, "cu_seqlens_q", cu_seqlens_q),
+        _int(op, "num_heads", num_heads), _int(op, "num_kv_heads", num_kv_heads),
+        torch.device(device), _int(op, "partition_size", partition_size),
+        -1 if max_items is None else _int(op, "max_items", max_items),
+        -1 if max_partial_rows is None else _int(op, "max_partial_rows", max_partial_rows))
+
+
+def paged_attention_run(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                        value_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, max_q_len: int,
+                        scale: float, plan: torch.Tensor, workspace: torch.Tensor,
+                        k_scale: Optional[torch.Tensor] = None,
+                        v_scale: Optional[torch.Tensor] = None,
+                        lse: Optional[torch.Tensor] = None,
+                        attn_mass: Optional[torch.Tensor] = None) -> None:
+    op = "paged_attention_run"
+    _ops.paged_attention_run.default(
+        _tensor(op, "out", out), _tensor(op, "query", query),
+        _tensor(op, "key_cache", key_cache), _tensor(op, "value_cache", value_cache),
+        _tensor(op, "block_tables", block_tables), _tensor(op, "seq_lens", seq_lens),
+        _tensor(op, "cu_seqlens_q", cu_seqlens_q), _int(op, "max_q_len", max_q_len),
+        _float(op, "scale", scale), _tensor(op, "plan", plan), _tensor(op, "workspace", workspace),
+        _optional_tensor(op, "k_scale", k_scale), _optional_tensor(op, "v_scale", v_scale),
+        _optional_tensor(op, "lse", lse), _optional_tensor(op, "attn_mass", attn_mass))
+
+
+paged_attention_run.__doc__ = _attention_doc("through a plan: exactly the planned work") + """
+        plan: int32 from :func:`paged_attention_plan` for these seq_lens and cu_seqlens_q and
+            this device, on query's device.
+        workspace: float32 1-D on query's device with at least
+            ``plan[5] * Hq * (D + 2)`` elements (the plan's partial rows). Written.
+
+    Launches exactly the plan's work items (a CUDA grid of the plan's capacity), so it can be
+    captured in a CUDA graph: planning a new step into the same plan buffer and workspace keeps
+    the graph valid. The plan's contents are validated on CPU always and on CUDA with
+    ``PAGEDSPEC_DEBUG=1``; without it, a plan that does not match the call is memory-safe but
+    its results are unspecified.
+    """
+
+
+class PagedAttentionPlan:
+    """A step's plan on its device and a workspace for it: the pair :func:`paged_attention_run`
+    takes. Make one per step with :func:`plan_paged_attention` (every layer of the step shares it).
+
+    Attributes:
+        plan: int32 plan on the device. workspace: float32 ``[partial_rows * Hq * (D + 2)]``.
+        partition_size, num_items, partial_rows: read from the host copy (``split`` is whether
+        any sequence is split).
+    """
+
+    def __init__(self, host_plan: torch.Tensor, plan: torch.Tensor, workspace: torch.Tensor):
+        self.host_plan, self.plan, self.workspace = host_plan, plan, workspace
+        header = host_plan[:8].tolist()
+        self.num_items, self.partition_size, self.partial_rows = header[2], header[4], header[5]
+        self.split = self.partial_rows > 0
+
+
+def plan_paged_attention(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, num_heads: int,
+                         num_kv_heads: int, head_size: int, device, *, partition_size: int = 0,
+                         max_items: Optional[int] = None,
+                         max_partial_rows: Optional[int] = None) -> PagedAttentionPlan:
+    """:func:`paged_attention_plan` for host lengths (int32 ``[B]`` and ``[B + 1]``), copied to
+    ``device``, with a workspace for ``head_size``-wide heads (of ``max_partial_rows`` rows when
+    given, so it can be reused across steps)."""
+    device = torch.device(device)
+    host = paged_attention_plan(seq_lens, cu_seqlens_q, num_heads, num_kv_heads, device,
+                                partition_size, max_items, max_partial_rows)
+    rows = max_partial_rows if max_partial_rows is not None else int(host[5])
+    workspace = torch.empty(rows * num_heads * (head_size + 2), dtype=torch.float32, device=device)
+    return PagedAttentionPlan(host, host.to(device, non_blocking=True), workspace)
 
 
 def quantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) -> None:

@@ -183,6 +183,98 @@ paged_attention_v1 = paged_attention
 paged_attention_v2 = paged_attention
 
 
+def paged_attention_run(out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                        max_q_len, scale, plan, workspace, k_scale=None, v_scale=None, lse=None,
+                        attn_mass=None) -> None:
+    """paged_attention through a plan: the plan only says how the work is split, so the result
+    is paged_attention's (the workspace is scratch)."""
+    paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                    max_q_len, scale, k_scale, v_scale, lse, attn_mass)
+
+
+PLAN_MAGIC = 0x50534B56
+ROWS_PER_ITEM = {"cpu": 32, "cuda": 4}  # a CPU task's query rows, a CUDA thread block's
+PLAN_WAVES = {"cpu": 2, "cuda": 4}
+MIN_PLAN_PARTITION = 256
+
+
+def paged_attention_plan(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, num_heads: int,
+                         num_kv_heads: int, device, partition_size: int = 0, max_items: int = -1,
+                         max_partial_rows: int = -1, *,
+                         concurrency: Optional[int] = None) -> torch.Tensor:
+    """The split-KV plan, written from its definition (include/pagedspec/attention_plan.h).
+
+    A work item is (sequence, first query row, partition); rows are j * G + g for query token j
+    and head g of a KV head's group, taken ROWS_PER_ITEM at a time. With partition size P, a
+    sequence longer than P has ceil(len / P) partitions and a chunk of rows gets one item per
+    partition its last row can see; a sequence that fits is one item per chunk, written directly.
+    P is chosen as: no split (P = longest) when the unsplit items x KV heads already fill
+    waves x concurrency or the longest sequence is under 2 x 256; else the smallest 256 x 2^k
+    below the longest whose items x KV heads stay within waves x concurrency (and the bounds);
+    else no split. ``concurrency`` defaults to torch's thread count on CPU (CUDA needs it given:
+    SMs x resident thread blocks per SM).
+    """
+    kind = torch.device(device).type
+    group = num_heads // num_kv_heads
+    rows_per_item = ROWS_PER_ITEM[kind]
+    if concurrency is None:
+        assert kind == "cpu", "give the CUDA device's concurrency"
+        concurrency = torch.get_num_threads()
+    lens = seq_lens.tolist()
+    cu = cu_seqlens_q.tolist()
+    q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
+
+    def layout(part):
+        """(items, parts, partial_base, partial_rows) of splitting at partition size ``part``."""
+        items, parts, bases, rows = [], [], [], 0
+        for i, (length, q_len) in enumerate(zip(lens, q_lens)):
+            p = -(-length // part) if length > part else 1
+            parts.append(p)
+            bases.append(rows if p > 1 and q_len > 0 else -1)
+            if p > 1:
+                rows += q_len * p
+            for row0 in range(0, q_len * group, rows_per_item):
+                last_row = min(row0 + rows_per_item, q_len * group) - 1
+                limit = length - q_len + last_row // group
+                for k in range(1 if p == 1 else limit // part + 1):
+                    items.append((i, row0, k))
+        return items, parts, bases, rows
+
+    def fits(shape):
+        return ((max_items <= 0 or len(shape[0]) <= max_items)
+                and (max_partial_rows <= 0 or shape[3] <= max_partial_rows))
+
+    longest = max([1] + lens)
+    chosen = None
+    if not fits(layout(longest)):
+        raise RuntimeError("pagedspec.paged_attention_plan: max_items or max_partial_rows is too "
+                           "small for this step")
+    if partition_size < 0:
+        chosen = longest
+    elif partition_size > 0:
+        chosen = partition_size
+    elif len(layout(longest)[0]) * num_kv_heads >= PLAN_WAVES[kind] * concurrency or \
+            longest < 2 * MIN_PLAN_PARTITION:
+        chosen = longest
+    else:
+        part = MIN_PLAN_PARTITION
+        while part < longest and chosen is None:
+            shape = layout(part)
+            if len(shape[0]) * num_kv_heads <= PLAN_WAVES[kind] * concurrency and fits(shape):
+                chosen = part
+            part *= 2
+        chosen = chosen or longest
+    items, parts, bases, rows = layout(chosen)
+    if not fits((items, parts, bases, rows)):
+        raise RuntimeError("pagedspec.paged_attention_plan: max_items or max_partial_rows is too "
+                           "small for the forced partition")
+    capacity = max_items if max_items > 0 else len(items)
+    padding = [(-1, 0, 0)] * (capacity - len(items))
+    header = [PLAN_MAGIC, len(lens), len(items), capacity, chosen, rows, rows_per_item, cu[-1]]
+    flat = header + parts + bases + [x for item in items + padding for x in item]
+    return torch.tensor(flat, dtype=torch.int32)
+
+
 # ----------------------------------------------------------------------------------------------
 # Speculative decoding verification
 
