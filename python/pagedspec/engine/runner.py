@@ -3,7 +3,8 @@ KV cache.
 
 Per step: apply the step's block moves (swaps, copy-on-write copies), then per layer write the new
 tokens' K/V at their ``slot_mapping`` slots with :func:`pagedspec.ops.reshape_and_cache` and attend
-with :func:`pagedspec.ops.paged_attention`, which covers prefill chunks, decodes and multi-token
+with :func:`pagedspec.ops.paged_attention_run` through one plan per step
+(:func:`pagedspec.ops.plan_paged_attention`), which covers prefill chunks, decodes and multi-token
 verification in one call (query rows grouped per sequence by ``cu_seqlens_q``, causal within each
 sequence). Only the rows at ``logits_indices`` go through the LM head.
 
@@ -62,6 +63,11 @@ class ModelRunner:
         calibrate, self.calibrate_fp8 = self.calibrate_fp8, False
         fp8 = kv.is_fp8
 
+        # One split-KV plan per step, from the lengths the scheduler has on the host, shared by
+        # every layer: the work and scratch follow the real lengths, not the table's width.
+        plan = ops.plan_paged_attention(batch.seq_lens, batch.cu_seqlens_q, model.num_heads,
+                                        model.num_kv_heads, model.head_size, dev)
+
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             key_cache, value_cache = kv.key_caches[layer], kv.value_caches[layer]
             k_scale = kv.k_scales[layer] if fp8 else None
@@ -70,8 +76,9 @@ class ModelRunner:
                 self._calibrate(layer, k, v)
             ops.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            ops.paged_attention(out, q, key_cache, value_cache, block_tables, seq_lens,
-                                cu_seqlens_q, batch.max_q_len, model.scale, k_scale, v_scale)
+            ops.paged_attention_run(out, q, key_cache, value_cache, block_tables, seq_lens,
+                                    cu_seqlens_q, batch.max_q_len, model.scale, plan.plan,
+                                    plan.workspace, k_scale, v_scale)
             return out
 
         hidden = model.forward(batch.input_ids.to(dev), batch.positions.to(dev), attend)

@@ -104,6 +104,18 @@ def draft_distribution(logits: torch.Tensor, rows: Seq[SamplingRow]) -> torch.Te
     return processed_probs(logits, rows)
 
 
+def _first_writer_only(slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Catch-up passes of sequences that share blocks (forks, prefix hits) recompute the shared
+    positions for each sharer, with the same token at the same position, so the same K/V: only
+    the first token per slot writes it (reshape_and_cache takes each slot once); the others read
+    it in the same pass, since every layer writes before it attends."""
+    uniq, inverse = torch.unique(slot_mapping, return_inverse=True)
+    order = torch.arange(slot_mapping.numel())
+    first = torch.full((uniq.numel(),), slot_mapping.numel()).scatter_reduce_(
+        0, inverse, order, "amin")
+    return torch.where(first[inverse] == order, slot_mapping, -1)
+
+
 class DraftModelProposer:
     """Drafts with ``model`` over ``kv_cache``, which has the target cache's block count and
     block size (the block tables are shared). Call :meth:`apply_moves` with every step's block
@@ -151,6 +163,8 @@ class DraftModelProposer:
             pos = torch.tensor(positions, dtype=torch.int64)
             rows = tables[torch.tensor([requests[i].batch_index for i in active])]
             slot_mapping = (tables[torch.tensor(owners), pos // bs].long() * bs + pos % bs)
+            if j == 0:
+                slot_mapping = _first_writer_only(slot_mapping)
             cu = torch.zeros(len(active) + 1, dtype=torch.int32)
             torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0, out=cu[1:])
             step = StepBatch(
