@@ -12,6 +12,7 @@ import torch
 
 import pagedspec  # noqa: F401
 from pagedspec import ops, reference
+from conftest import requires_cuda
 from test_attention import Case, assert_close, check_case
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -219,3 +220,53 @@ def test_opcheck(gen):
     lens, cu = case.seq_lens, case.cu_seqlens_q
     torch.library.opcheck(torch.ops.pagedspec.paged_attention_plan,
                           (lens, cu, 4, 2, torch.device("cpu"), 256, 64, -1))
+
+
+# ---- CUDA: the same plans on the GPU's work items, and a captured graph replanned per step ----
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize("seq_lens, q_lens", SHAPES)
+@pytest.mark.parametrize("partition_size", [0, -1, 512, 100])
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e5m2])
+def test_run_matches_reference_cuda(gen, seq_lens, q_lens, partition_size, cache_dtype):
+    case = Case(gen, seq_lens=seq_lens, q_lens=q_lens, num_heads=8, num_kv_heads=2,
+                head_size=128, block_size=16, dtype=torch.bfloat16, cache_dtype=cache_dtype,
+                device="cuda")
+    plan = ops.plan_paged_attention(case.seq_lens.cpu(), case.cu_seqlens_q.cpu(), 8, 2, 128,
+                                    "cuda", partition_size=partition_size)
+    _run(case, plan)
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_graph_replays_new_plans(gen):
+    # Capture one run with plan and workspace buffers of a fixed capacity, then for each new
+    # step write its plan into the buffer and replay: the graph follows the plan.
+    max_items, max_rows = 512, 256
+    cases = [Case(gen, seq_lens=s, q_lens=[1, 1], num_heads=8, num_kv_heads=1, head_size=128,
+                  block_size=16, dtype=torch.bfloat16, device="cuda")
+             for s in ([3000, 40], [600, 3000], [3000, 41])]  # one max: one shape
+    # One cache / table / query buffer set, overwritten per step (as an engine's static inputs).
+    static = cases[0]
+    out = torch.empty_like(static.query)
+    plan = ops.plan_paged_attention(static.seq_lens.cpu(), static.cu_seqlens_q.cpu(), 8, 1, 128,
+                                    "cuda", partition_size=256, max_items=max_items,
+                                    max_partial_rows=max_rows)
+    args = list(static.args())
+    run = lambda: ops.paged_attention_run(out, *args[:8], plan.plan, plan.workspace)  # noqa
+    run()  # warm-up outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for case in cases:
+        for dst, src in zip(args[:6], case.args()[:6]):
+            if dst.shape != src.shape:
+                pytest.skip("cases must share shapes for one graph")
+            dst.copy_(src)
+        new = ops.plan_paged_attention(case.seq_lens.cpu(), case.cu_seqlens_q.cpu(), 8, 1, 128,
+                                       "cuda", partition_size=256, max_items=max_items,
+                                       max_partial_rows=max_rows)
+        plan.plan.copy_(new.plan)
+        graph.replay()
+        want, _, _ = case.expected()
+        assert_close(out, want, torch.bfloat16)

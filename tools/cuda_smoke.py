@@ -3,6 +3,7 @@ reference: the workload bench/gpu_check.sh runs under compute-sanitizer (pytest 
 start under the sanitizer). Ops without a CUDA kernel yet are reported and skipped."""
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -126,7 +127,16 @@ def smoke_attention(dev: str) -> None:
         scale = torch.tensor(0.7)
         args_cpu = (query, *caches, table, torch.tensor(seq_lens, dtype=torch.int32), cu, 5,
                     head_size ** -0.5, scale, scale)
-        for fn in (ops.paged_attention_v1, ops.paged_attention_v2, ops.paged_attention):
+        def run(out, query, *rest, lse, attn_mass, partition_size):
+            # paged_attention through a plan made for rest's device (rest[4]: cu_seqlens_q).
+            device = query.device
+            plan = ops.plan_paged_attention(rest[3].cpu(), rest[4].cpu(), heads, kv_heads,
+                                            head_size, device, partition_size=partition_size)
+            ops.paged_attention_run(out, query, *rest[:7], plan.plan, plan.workspace, *rest[7:],
+                                    lse=lse, attn_mass=attn_mass)
+
+        planned = [functools.partial(run, partition_size=p) for p in (0, -1, 256)]
+        for fn in (ops.paged_attention_v1, ops.paged_attention_v2, ops.paged_attention, *planned):
             results = []
             for device, args in (("cpu", args_cpu), (dev, [a.to(dev) if torch.is_tensor(a) else a
                                                         for a in args_cpu])):

@@ -732,6 +732,53 @@ void dispatch_head_size(int64_t head_size, const char* op, Fn&& fn) {
                      std::make_index_sequence<std::size(kAttentionHeadSizes)>{});
 }
 
+// One validated call, as the typed launch below receives it.
+struct AttentionCall {
+  const char* op;
+  Variant variant;
+  at::Tensor& out;
+  const at::Tensor& query;
+  const at::Tensor& key_cache;
+  const at::Tensor& value_cache;
+  const at::Tensor& block_tables;
+  const at::Tensor& seq_lens;
+  const at::Tensor& cu_seqlens_q;
+  double scale;
+  const c10::optional<at::Tensor>& lse;
+  const c10::optional<at::Tensor>& attn_mass;
+  const at::Tensor* plan;       // null: the grid launches
+  const at::Tensor* workspace;
+  int64_t workspace_rows;
+  const AttentionArgs& args;
+  cudaStream_t stream;
+};
+
+// Cache format and head size dispatch for query dtype scalar_t (a template, so that the float
+// branch, which the checks reject on CUDA, instantiates no kernels).
+template <typename scalar_t>
+void launch_typed(const AttentionCall& c) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    TORCH_CHECK(false, "pagedspec.", c.op, ": query must have dtype in {Half, BFloat16}");
+  } else {
+    using QT = device_t<scalar_t>;
+    PAGEDSPEC_DISPATCH_CACHE_FORMAT(c.args.format, [&] {
+      using CacheT = std::conditional_t<kCacheFormat == CacheFormat::kNative, QT, uint8_t>;
+      auto p = make_attention_params<QT, CacheT>(c.out, c.query, c.key_cache, c.value_cache,
+                                                 c.block_tables, c.seq_lens, c.cu_seqlens_q,
+                                                 c.scale, c.lse, c.attn_mass, c.args);
+      dispatch_head_size(c.args.head_size, c.op, [&](auto d_tag) {
+        constexpr int D = decltype(d_tag)::value;
+        if (c.plan != nullptr) {
+          launch_plan<QT, CacheT, kCacheFormat, D>(p, c.args, *c.plan, *c.workspace,
+                                                   c.workspace_rows, c.op, c.query, c.stream);
+        } else {
+          launch_grid<QT, CacheT, kCacheFormat, D>(p, c.args, c.variant, c.op, c.query, c.stream);
+        }
+      });
+    });
+  }
+}
+
 // Validation shared by every entry point, then dtype / cache format / head size dispatch (the
 // checks.h macros, as every launcher uses) into launch_grid or launch_plan.
 void paged_attention_cuda(const char* op, Variant variant, at::Tensor& out, const at::Tensor& query,
@@ -770,29 +817,11 @@ void paged_attention_cuda(const char* op, Variant variant, at::Tensor& out, cons
                 "time), got address ", cache->const_data_ptr());
   }
   const c10::cuda::CUDAGuard guard(query.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  PAGEDSPEC_DISPATCH_ACTIVATION(query.scalar_type(), op, "query", [&] {
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      TORCH_CHECK(false, "pagedspec.", op, ": query must have dtype in {Half, BFloat16}");
-    } else {
-      using QT = device_t<scalar_t>;
-      PAGEDSPEC_DISPATCH_CACHE_FORMAT(args.format, [&] {
-        using CacheT = std::conditional_t<kCacheFormat == CacheFormat::kNative, QT, uint8_t>;
-        auto p = make_attention_params<QT, CacheT>(out, query, key_cache, value_cache,
-                                                   block_tables, seq_lens, cu_seqlens_q, scale,
-                                                   lse, attn_mass, args);
-        dispatch_head_size(args.head_size, op, [&](auto d_tag) {
-          constexpr int D = decltype(d_tag)::value;
-          if (plan != nullptr) {
-            launch_plan<QT, CacheT, kCacheFormat, D>(p, args, *plan, *workspace, workspace_rows,
-                                                     op, query, stream);
-          } else {
-            launch_grid<QT, CacheT, kCacheFormat, D>(p, args, variant, op, query, stream);
-          }
-        });
-      });
-    }
-  });
+  const AttentionCall call{op, variant, out, query, key_cache, value_cache, block_tables,
+                           seq_lens, cu_seqlens_q, scale, lse, attn_mass, plan, workspace,
+                           workspace_rows, args, c10::cuda::getCurrentCUDAStream()};
+  PAGEDSPEC_DISPATCH_ACTIVATION(query.scalar_type(), op, "query",
+                                [&] { launch_typed<scalar_t>(call); });
 }
 
 void paged_attention_cuda_impl(const char* op, Variant variant, at::Tensor& out,
