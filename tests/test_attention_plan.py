@@ -49,17 +49,28 @@ def test_plan_matches_its_definition(seq_lens, q_lens, heads, partition_size, ma
     assert torch.equal(plan, want)
 
 
-def test_planner_splits_only_when_the_device_would_idle():
-    lens, cu = _lens([4000], [1])
-    torch.set_num_threads(2)
-    # One sequence, 8 KV heads, 2 threads: 8 tasks already fill 2 waves -> no split.
-    assert ops.paged_attention_plan(lens, cu, 32, 8, "cpu")[4] == 4000
-    # 1 KV head: one task -> split into the smallest partitions within 2 x 2 tasks: 1024.
-    plan = ops.paged_attention_plan(lens, cu, 8, 1, "cpu")
-    assert plan[4] == 1024 and plan[2] == 4
-    # Short contexts never split.
-    lens, cu = _lens([300], [1])
+def test_cpu_planner_splits_long_contexts_whatever_the_work():
+    # 256-position partitions beat unsplit tasks on CPU at every batch measured (bench/NOTES.md).
+    for seq_lens, heads in (([4000], (32, 8)), ([4000] * 64, (32, 8)), ([4000], (8, 1))):
+        lens, cu = _lens(seq_lens, [1] * len(seq_lens))
+        plan = ops.paged_attention_plan(lens, cu, *heads, "cpu")
+        assert plan[4] == 256 and plan[2] == 16 * len(seq_lens)
+    # Contexts under two partitions never split; a bound on the items makes partitions longer.
+    lens, cu = _lens([500], [1])
     assert ops.plan_paged_attention(lens, cu, 8, 1, 64, "cpu").split is False
+    lens, cu = _lens([4000], [1])
+    assert ops.paged_attention_plan(lens, cu, 8, 1, "cpu", max_items=4)[4] == 1024
+
+
+@pytest.mark.cuda
+@requires_cuda
+def test_cuda_planner_splits_only_when_the_device_would_idle():
+    # Batch 1 fills no GPU: split. 256 sequences x 8 KV heads fill 4 waves of any GPU of up to
+    # 256 / 4 x 8 / 2 = 256 SMs at 2 blocks per SM: no split.
+    lens, cu = _lens([32768], [1])
+    assert ops.paged_attention_plan(lens, cu, 32, 8, "cuda")[4] < 32768
+    lens, cu = _lens([4096] * 256, [1] * 256)
+    assert ops.paged_attention_plan(lens, cu, 32, 8, "cuda")[4] == 4096
 
 
 def _run(case, plan, *, lse=True, mass=True):

@@ -105,7 +105,7 @@ PS_HOST_DEVICE int causal_limit(int seq_len, int q_len, int j) { return seq_len 
 
 // Number of partitions of `partition` positions covering `context` positions.
 PS_HOST_DEVICE int num_partitions_of(int context, int partition) {
-  return (context + partition - 1) / partition;
+  return int((int64_t(context) + partition - 1) / partition);  // context may be near 2^31
 }
 
 // Everything a paged-attention kernel reads and writes. QT: the query / output element type;

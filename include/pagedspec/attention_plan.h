@@ -88,6 +88,8 @@ struct PlanRequest {
   int64_t concurrency;      // work items x KV heads that run at once (CUDA: SMs x resident
                             // CTAs per SM; CPU: threads)
   int waves;                // aim for at most waves x concurrency tasks once split
+  bool always_split;        // split every context longer than 2 x kMinPlanPartition into
+                            // kMinPlanPartition partitions, however much work there is (CPU)
   int forced_partition;     // 0: choose; > 0: this partition size; < 0: never split
   int64_t max_items;        // capacity bound, <= 0 for none
   int64_t max_partial_rows; // workspace bound, <= 0 for none
@@ -129,7 +131,8 @@ inline bool plan_fits(const PlanRequest& r, const PlanShape& s) {
 
 // The partition size: none (the longest length: every sequence direct) unless splitting helps,
 // else the smallest power-of-two multiple of kMinPlanPartition whose tasks (items x KV heads)
-// stay within waves x concurrency, and within the capacity bounds. Returns 0 when even the
+// stay within waves x concurrency, and within the capacity bounds. With always_split, the
+// smallest such multiple that fits the bounds whatever the work. Returns 0 when even the
 // unsplit plan exceeds max_items.
 inline int choose_partition(const PlanRequest& r) {
   int longest = 1;
@@ -140,6 +143,13 @@ inline int choose_partition(const PlanRequest& r) {
   if (r.forced_partition > 0) {
     const PlanShape forced = plan_shape(r, r.forced_partition);
     return plan_fits(r, forced) ? r.forced_partition : 0;
+  }
+  if (r.always_split) {
+    if (longest < 2 * kMinPlanPartition) return longest;
+    for (int64_t part = kMinPlanPartition; part < longest; part *= 2) {
+      if (plan_fits(r, plan_shape(r, int(part)))) return int(part);
+    }
+    return longest;
   }
   const int64_t target = int64_t(r.waves) * r.concurrency;
   if (unsplit.num_items * r.num_kv_heads >= target || longest < 2 * kMinPlanPartition) {

@@ -216,9 +216,11 @@ def paged_attention_plan(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, num
         num_heads, num_kv_heads: Hq and Hkv of the attention the plan is for.
         device: where the plan will run (``cpu`` or a ``cuda`` device): the work-item size and
             the parallelism it plans for (CPU threads; CUDA SMs x resident thread blocks).
-        partition_size: 0 lets the planner choose (no split unless the step has too little work
-            for the device, else the smallest power-of-two multiple of 256 positions that keeps
-            the work within 2 (CPU) or 4 (CUDA) waves); -1 never splits; > 0 forces it.
+        partition_size: 0 lets the planner choose: contexts under 512 never split; CPU splits
+            longer ones into 256-position partitions (faster on CPU at every batch measured);
+            CUDA splits only when the unsplit work fills fewer than 4 waves of the device, into
+            the smallest power-of-two multiple of 256 positions that stays within 4 waves.
+            -1 never splits; > 0 forces that partition size.
         max_items, max_partial_rows: bounds the plan must fit (it splits less to fit). With
             max_items the plan has exactly that capacity, so one buffer (and a CUDA graph
             captured with it) serves every step planned with the same bounds.

@@ -194,7 +194,7 @@ def paged_attention_run(out, query, key_cache, value_cache, block_tables, seq_le
 
 PLAN_MAGIC = 0x50534B56
 ROWS_PER_ITEM = {"cpu": 32, "cuda": 4}  # a CPU task's query rows, a CUDA thread block's
-PLAN_WAVES = {"cpu": 2, "cuda": 4}
+PLAN_WAVES = {"cuda": 4}
 MIN_PLAN_PARTITION = 256
 
 
@@ -208,18 +208,16 @@ def paged_attention_plan(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, num
     and head g of a KV head's group, taken ROWS_PER_ITEM at a time. With partition size P, a
     sequence longer than P has ceil(len / P) partitions and a chunk of rows gets one item per
     partition its last row can see; a sequence that fits is one item per chunk, written directly.
-    P is chosen as: no split (P = longest) when the unsplit items x KV heads already fill
-    waves x concurrency or the longest sequence is under 2 x 256; else the smallest 256 x 2^k
-    below the longest whose items x KV heads stay within waves x concurrency (and the bounds);
-    else no split. ``concurrency`` defaults to torch's thread count on CPU (CUDA needs it given:
-    SMs x resident thread blocks per SM).
+    P is chosen as: no split (P = longest) when the longest sequence is under 2 x 256; on CPU,
+    the smallest 256 x 2^k below the longest that fits the bounds; on CUDA, no split when the
+    unsplit items x KV heads already fill 4 x concurrency, else the smallest 256 x 2^k below the
+    longest whose items x KV heads stay within 4 x concurrency (and the bounds); else no split.
+    ``concurrency`` (CUDA: SMs x resident thread blocks per SM) must be given for CUDA.
     """
     kind = torch.device(device).type
     group = num_heads // num_kv_heads
     rows_per_item = ROWS_PER_ITEM[kind]
-    if concurrency is None:
-        assert kind == "cpu", "give the CUDA device's concurrency"
-        concurrency = torch.get_num_threads()
+    assert kind == "cpu" or concurrency is not None, "give the CUDA device's concurrency"
     lens = seq_lens.tolist()
     cu = cu_seqlens_q.tolist()
     q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
@@ -253,8 +251,15 @@ def paged_attention_plan(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, num
         chosen = longest
     elif partition_size > 0:
         chosen = partition_size
-    elif len(layout(longest)[0]) * num_kv_heads >= PLAN_WAVES[kind] * concurrency or \
-            longest < 2 * MIN_PLAN_PARTITION:
+    elif longest < 2 * MIN_PLAN_PARTITION:
+        chosen = longest
+    elif kind == "cpu":  # the CPU splits whatever the work: the smallest partition that fits
+        part = MIN_PLAN_PARTITION
+        while part < longest and chosen is None:
+            chosen = part if fits(layout(part)) else None
+            part *= 2
+        chosen = chosen or longest
+    elif len(layout(longest)[0]) * num_kv_heads >= PLAN_WAVES[kind] * concurrency:
         chosen = longest
     else:
         part = MIN_PLAN_PARTITION

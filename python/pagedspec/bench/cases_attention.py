@@ -25,6 +25,8 @@ BLOCK_SIZE = 16
 REFERENCE_MAX_TOKENS = 1 << 17
 
 _OPS = {"auto": ops.paged_attention, "v1": ops.paged_attention_v1, "v2": ops.paged_attention_v2}
+# "run": paged_attention_run through a plan made (untimed, once per step in an engine, shared by
+# every layer) from the real lengths.
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -34,16 +36,20 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _attention_case(model: str, batch: int, context: int, q_len: int, cache_dtype: torch.dtype,
                     query_dtype: torch.dtype = torch.bfloat16, variant: str = "auto",
-                    quick: bool = False, devices=("cpu", "cuda")):
+                    quick: bool = False, devices=("cpu", "cuda"), table_blocks: int = 0):
+    """``table_blocks``: pad every block table to this width (as a table sized for the model's
+    longest context, or a CUDA graph's static table, is); 0 keeps it tight."""
     num_heads, num_kv_heads, head_size = MODELS[model]
     kind = "decode" if q_len == 1 else f"verify-q{q_len}"
     name = (f"{kind}/{model}/B={batch}/ctx={context}/{_dtype_name(cache_dtype)}"
-            + (f"/{variant}" if variant != "auto" else ""))
+            + (f"/{variant}" if variant != "auto" else "")
+            + (f"/table={table_blocks}" if table_blocks else ""))
     if query_dtype != torch.bfloat16:
         name += f"/q={_dtype_name(query_dtype)}"
 
     @register("attention", name, quick=quick, devices=devices, model=model, batch=batch,
-              context=context, q_len=q_len, cache=_dtype_name(cache_dtype), variant=variant)
+              context=context, q_len=q_len, cache=_dtype_name(cache_dtype), variant=variant,
+              table_blocks=table_blocks)
     def build(device) -> Workload:
         blocks_per_seq = math.ceil(context / BLOCK_SIZE)
         num_blocks = batch * blocks_per_seq
@@ -54,6 +60,10 @@ def _attention_case(model: str, batch: int, context: int, q_len: int, cache_dtyp
         value_cache = torch.randn(shape, dtype=init_dtype, device=device).to(cache_dtype)
         scale_t = torch.tensor(1.0, device=device) if fp8 else None
         block_tables = torch.randperm(num_blocks, device=device).view(batch, blocks_per_seq).int()
+        if table_blocks > blocks_per_seq:
+            padded = torch.zeros(batch, table_blocks, dtype=torch.int32, device=device)
+            padded[:, :blocks_per_seq] = block_tables
+            block_tables = padded
         seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
         cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * q_len
         query = torch.randn(batch * q_len, num_heads, head_size, dtype=query_dtype, device=device)
@@ -62,11 +72,17 @@ def _attention_case(model: str, batch: int, context: int, q_len: int, cache_dtyp
                 head_size ** -0.5, scale_t, scale_t)
         kv_bytes = 2 * batch * context * num_kv_heads * head_size * key_cache.element_size()
         nbytes = kv_bytes + 2 * query.numel() * query.element_size()
-        fn = _OPS[variant]
+        if variant == "run":
+            plan = ops.plan_paged_attention(seq_lens.cpu(), cu_seqlens_q.cpu(), num_heads,
+                                            num_kv_heads, head_size, device)
+            call = lambda: ops.paged_attention_run(*args[:9], plan.plan, plan.workspace,  # noqa
+                                                   *args[9:])
+        else:
+            call = lambda: _OPS[variant](*args)  # noqa: E731
         ref = None
         if batch * context <= REFERENCE_MAX_TOKENS:
             ref = lambda: reference.paged_attention(*args)  # noqa: E731
-        return Workload(lambda: fn(*args), nbytes, ref, items=batch * q_len,
+        return Workload(call, nbytes, ref, items=batch * q_len,
                         items_unit="query tokens")
 
 
@@ -117,3 +133,15 @@ for _model in ("llama3-70b-tp8", "tinyllama-h64"):
     _attention_case(_model, 64, 4096, 1, torch.bfloat16, devices=("cuda",))
     _attention_case(_model, 64, 4096, 5, torch.bfloat16, devices=("cuda",))
     _attention_case(_model, 8, 2048, 1, torch.bfloat16, devices=("cpu",))
+
+# Split-KV sized by the real lengths (plan/run) against the grid launches, with a tight table and
+# one padded to 8192 blocks (128k tokens at block size 16): on CUDA v2's grid and scratch follow
+# the table's width, the plan's follow the lengths; on CPU both follow the lengths.
+for _table in (0, 8192):
+    for _variant in ("auto", "v2", "run") if _table else ("v2", "run"):  # tight auto: above
+        _attention_case("llama3-8b", 64, 4096, 1, torch.bfloat16, variant=_variant,
+                        devices=("cuda",), table_blocks=_table)
+        _attention_case("llama3-8b", 8, 2048, 1, torch.bfloat16, variant=_variant,
+                        devices=("cpu",), table_blocks=_table)
+    _attention_case("llama3-8b", 1, 16384, 1, torch.bfloat16, variant="run", devices=("cpu",),
+                    table_blocks=_table)
