@@ -11,6 +11,10 @@
 #include <ATen/core/stack.h>
 #include <torch/library.h>
 
+#include <iterator>
+
+#include "attention_checks.h"
+
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -206,5 +210,12 @@ extern "C" PyMODINIT_FUNC PyInit__C(void) {
   PyModule_AddStringConstant(module, "cuda_archs", PAGEDSPEC_CUDA_ARCHS);
   PyModule_AddStringConstant(module, "cuda_version", PAGEDSPEC_CUDA_VERSION);
   PyModule_AddStringConstant(module, "torch_version", PAGEDSPEC_TORCH_VERSION);
+  // The attention head sizes, from the kernels' one list (the fakes and build_info read it).
+  PyObject* head_sizes = PyTuple_New(std::size(pagedspec::kAttentionHeadSizes));
+  if (head_sizes == nullptr) return nullptr;
+  for (size_t i = 0; i < std::size(pagedspec::kAttentionHeadSizes); ++i) {
+    PyTuple_SET_ITEM(head_sizes, i, PyLong_FromLong(pagedspec::kAttentionHeadSizes[i]));
+  }
+  if (PyModule_AddObject(module, "attention_head_sizes", head_sizes) < 0) return nullptr;
   return module;
 }

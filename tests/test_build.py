@@ -52,6 +52,8 @@ def test_build_info():
         assert info["cuda_version"]
     else:
         assert not info["cuda_available"]
+    # The contract's head sizes are all built (CONTRACT.md, cache layout: "at least").
+    assert {64, 80, 96, 112, 128, 256} <= set(info["attention_head_sizes"])
 
 
 @pytest.mark.parametrize("name", OP_NAMES)

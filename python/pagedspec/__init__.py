@@ -22,8 +22,9 @@ def build_info() -> dict:
 
     Returns a dict with ``backends`` (``["cpu"]`` or ``["cpu", "cuda"]``), ``cuda_archs`` (the
     archs the CUDA kernels were compiled for), ``cuda_version`` (nvcc's), ``torch_built``
-    (torch the extension was compiled against), ``torch_runtime`` and ``cuda_available`` (whether a
-    GPU can be used now).
+    (torch the extension was compiled against), ``torch_runtime``, ``cuda_available`` (whether a
+    GPU can be used now) and ``attention_head_sizes`` (the head sizes the attention kernels are
+    built for).
     """
     with_cuda = bool(_C.with_cuda)
     return {
@@ -34,4 +35,5 @@ def build_info() -> dict:
         "torch_built": _C.torch_version,
         "torch_runtime": torch.__version__,
         "cuda_available": with_cuda and torch.cuda.is_available(),
+        "attention_head_sizes": list(_C.attention_head_sizes),
     }

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 import torch
 from torch.library import register_fake
 
+from pagedspec import _C
 from pagedspec.ops import OP_NAMES
 
 _DTYPE_NAMES = {  # the names the C++ messages print (c10::ScalarType)
@@ -204,7 +205,7 @@ def _swap_blocks_fake(src, dst, block_mapping) -> None:
 # ------------------------------------------------------------------------------------------
 # attention (csrc/attention_checks.h check_attention)
 
-_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
+_HEAD_SIZES = _C.attention_head_sizes  # the kernels' one list
 
 
 def _attention_fake(op, out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
