@@ -12,6 +12,7 @@ tolerance: the reference dequantizes exactly as the contract says.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -519,3 +520,26 @@ def test_bad_inputs(gen, name, what, changes, match):
     args = _bad(gen, **changes)
     with pytest.raises(RuntimeError, match=match):
         getattr(ops, name)(**args)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.skipif(os.environ.get("PAGEDSPEC_DEBUG") == "1",
+                    reason="checks these unchecked inputs would fail with PAGEDSPEC_DEBUG=1")
+@pytest.mark.parametrize("fn", list(VARIANTS.values()), ids=list(VARIANTS))
+def test_unchecked_cuda_inputs_still_define_every_output(gen, fn):
+    # Without PAGEDSPEC_DEBUG the CUDA launchers do not read the index tensors; every element of
+    # out and lse is still written: rows no sequence owns (cu_seqlens_q[B] < T) and rows that
+    # see nothing (seq_len 0 below q_len 1) get 0 and lse -inf; the rest match the reference.
+    case = Case(gen, seq_lens=[40, 9], q_lens=[2, 1], num_heads=4, num_kv_heads=2,
+                head_size=64, block_size=16, dtype=torch.float16, device="cuda")
+    want, want_lse, _ = case.expected(lse=True)
+    case.seq_lens = torch.tensor([40, 0], dtype=torch.int32, device="cuda")  # row 2 sees nothing
+    out, lse, _ = case.run(fn, lse=True)
+    assert_close(out[:2], want[:2], torch.float16)
+    assert (out[2] == 0).all() and (lse[2] == float("-inf")).all()
+    case.seq_lens = torch.tensor([40, 9], dtype=torch.int32, device="cuda")
+    case.cu_seqlens_q = torch.tensor([0, 2, 2], dtype=torch.int32, device="cuda")  # 2 unowned
+    out, lse, _ = case.run(fn, lse=True)
+    assert_close(out[:2], want[:2], torch.float16)
+    assert (out[2] == 0).all() and (lse[2] == float("-inf")).all()
