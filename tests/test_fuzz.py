@@ -924,13 +924,15 @@ BAD_SCALES = [0.0, float("inf"), float("nan")]
 
 @pytest.mark.parametrize("value", BAD_SCALES)
 @pytest.mark.parametrize("which", ["k_scale", "v_scale"])
-def test_reshape_and_cache_bad_fp8_scale(which, value):
-    args = valid_reshape_and_cache(torch.Generator().manual_seed(0), random.Random(0))
+@pytest.mark.parametrize("name, valid", [("reshape_and_cache", valid_reshape_and_cache),
+                                         ("paged_attention", valid_attention)])
+def test_bad_fp8_cache_scale(name, valid, which, value):
+    args = valid(torch.Generator().manual_seed(0), random.Random(0))
     args["key_cache"] = args["key_cache"].to(torch.float8_e4m3fn)
     args["value_cache"] = args["value_cache"].to(torch.float8_e4m3fn)
     args["k_scale"], args["v_scale"] = torch.tensor(0.5), torch.tensor(0.5)
     args[which] = torch.tensor(value)
-    _raises_naming("reshape_and_cache", which, lambda: _call("reshape_and_cache", args))
+    _raises_naming(name, which, lambda: _call(name, args))
 
 
 @pytest.mark.parametrize("value", BAD_SCALES)
@@ -940,17 +942,6 @@ def test_fp8_convert_bad_scale(name, value):
         torch.Generator().manual_seed(0), random.Random(0))
     args["scale"] = torch.tensor(value)
     _raises_naming(name, "scale", lambda: _call(name, args))
-
-
-@pytest.mark.parametrize("value", BAD_SCALES)
-@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
-def test_attention_bad_fp8_scale(which, value):
-    args = valid_attention(torch.Generator().manual_seed(0), random.Random(0))
-    args["key_cache"] = args["key_cache"].to(torch.float8_e4m3fn)
-    args["value_cache"] = args["value_cache"].to(torch.float8_e4m3fn)
-    args["k_scale"], args["v_scale"] = torch.tensor(0.5), torch.tensor(0.5)
-    args[which] = torch.tensor(value)
-    _raises_naming("paged_attention", which, lambda: _call("paged_attention", args))
 
 
 @pytest.mark.parametrize("value", [0.0, -0.125, float("inf"), float("nan")])

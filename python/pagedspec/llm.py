@@ -26,7 +26,8 @@ from typing import Iterator, Optional, Sequence as Seq, Union
 
 import torch
 
-from pagedspec.engine.blocks import BlockManager, KVCache
+from pagedspec.engine.block_manager import BlockManager
+from pagedspec.engine.kv_cache import KVCache
 from pagedspec.engine.controller import SpecStats, SpeculationController
 from pagedspec.engine.runner import ModelRunner
 from pagedspec.engine.sampler import SamplingRow, sample, top_logprobs

@@ -3,7 +3,9 @@ runner (any :class:`CausalLM`), sampling and speculative decoding.
 
 Pure Python over :mod:`pagedspec.ops`; devices are plain ``torch.device`` values.
 """
-from pagedspec.engine.blocks import BlockManager, BlockOps, BlockTable, Evictor, KVCache, hash_block
+from pagedspec.engine.block_manager import BlockManager, BlockOps, BlockTable
+from pagedspec.engine.kv_cache import KVCache
+from pagedspec.engine.prefix_cache import Evictor, hash_block
 from pagedspec.engine.model import AttendFn, CausalLM
 from pagedspec.engine.runner import ModelRunner
 from pagedspec.engine.sampler import SamplingRow

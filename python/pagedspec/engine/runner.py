@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from pagedspec import ops
-from pagedspec.engine.blocks import KVCache
+from pagedspec.engine.kv_cache import KVCache
 from pagedspec.engine.model import CausalLM
 from pagedspec.engine.scheduler import StepBatch
 

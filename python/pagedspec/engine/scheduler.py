@@ -26,7 +26,7 @@ often cheap) and it rejoins the waiting queue in its arrival place, later re-pre
 and output. Rationale: re-prefilling n tokens costs compute growing faster than n, a swap costs
 2 n token-sizes of transfer and CPU memory; short contexts are cheaper to recompute.
 
-Prefix-cache eviction (:class:`pagedspec.engine.blocks.Evictor`): blocks of finished or preempted
+Prefix-cache eviction (:class:`pagedspec.engine.prefix_cache.Evictor`): blocks of finished or preempted
 sequences stay cached until memory is needed; free blocks without content go first. Among cached
 ones the victim has the lowest ``log2(popularity) + epoch``: popularity is the count-min sketch's
 count of prompt lookups of the block's content hash, halved every decay period (one epoch), so
@@ -45,7 +45,7 @@ from typing import Optional, Sequence as Seq
 import numpy as np
 import torch
 
-from pagedspec.engine.blocks import BlockManager, BlockOps
+from pagedspec.engine.block_manager import BlockManager, BlockOps
 from pagedspec.engine.sequence import Sequence, SequenceStatus
 
 

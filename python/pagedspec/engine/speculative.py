@@ -31,7 +31,8 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from pagedspec import ops
-from pagedspec.engine.blocks import BlockOps, KVCache
+from pagedspec.engine.block_manager import BlockOps
+from pagedspec.engine.kv_cache import KVCache
 from pagedspec.engine.model import CausalLM
 from pagedspec.engine.runner import ModelRunner
 from pagedspec.engine.sampler import SamplingRow, processed_probs

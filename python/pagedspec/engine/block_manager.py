@@ -1,12 +1,12 @@
-"""Paged KV memory: the block pool's bookkeeping, the prefix cache, and the cache tensors.
+"""The block pool's bookkeeping: which physical block holds which part of which sequence.
 
-:class:`BlockManager` is pure bookkeeping: which physical block holds which part of which
-sequence. Every sequence owns a block table that grows one block at a time, so at most one partly
-filled block per sequence is wasted. Blocks are reference counted: a fork shares all of them and
-the first write into a shared block copies it (copy-on-write). Full blocks of verified tokens are
-named by a chained content hash and stay reusable after their sequence ends (prefix caching) until
-:class:`Evictor` gives them up. :class:`KVCache` owns the cache tensors and applies the block moves
-(copies and swaps) that the manager asks for, through :mod:`pagedspec.ops`.
+:class:`BlockManager` is pure bookkeeping. Every sequence owns a block table that grows one block
+at a time, so at most one partly filled block per sequence is wasted. Blocks are reference
+counted: a fork shares all of them and the first write into a shared block copies it
+(copy-on-write). Full blocks of verified tokens are named by a chained content hash and stay
+reusable after their sequence ends (prefix caching, :mod:`pagedspec.engine.prefix_cache`).
+The block moves a step needs (copies and swaps) are returned as :class:`BlockOps`, which
+:class:`pagedspec.engine.kv_cache.KVCache` applies.
 
 A GPU block is always in exactly one state:
   free      ref 0, no hash, in ``free_blocks``;
@@ -21,9 +21,6 @@ CPU swap blocks are owned by exactly one swapped-out table, free, or deferred.
 """
 from __future__ import annotations
 
-import hashlib
-import heapq
-from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -31,105 +28,11 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from pagedspec import ops
+from pagedspec.engine.prefix_cache import Evictor, hash_block
 
 
 def cdiv(a: int, b: int) -> int:
     return -(a // -b)
-
-
-def hash_block(parent: Optional[int], token_ids: Sequence[int], salt: bytes = b"") -> int:
-    """Content hash of one full block: blake2b-64 of (parent hash, token ids), as a signed int64.
-
-    Chaining through the parent makes the hash name the whole prefix, not just this block. The
-    salt (e.g. a LoRA or tenant id) only enters the first block; the chain carries it onwards.
-    Python's ``hash()`` is randomized per process, so it is not used.
-    """
-    h = hashlib.blake2b(digest_size=8)
-    if parent is None:
-        h.update(salt)
-    else:
-        h.update(parent.to_bytes(8, "little", signed=True))
-    h.update(array("q", token_ids).tobytes())
-    return int.from_bytes(h.digest(), "little", signed=True)
-
-
-class Evictor:
-    """Cached free blocks; eviction takes the least popular, least recently freed first.
-
-    Popularity is the count-min sketch's estimate of how often a block's content hash was asked
-    for (``cms_update`` on every prompt lookup, hits or not). Every ``decay_period`` increments
-    ``cms_decay`` halves all counts (TinyLFU aging) and a decay epoch passes, so a block's priority
-    ``log2(count) + epoch`` is its popularity in today's units: a count taken k epochs ago is worth
-    2^-k of one taken now, which is how recency enters beside frequency. Equal priorities leave in
-    the order they were freed (LRU); ``policy="lru"`` ignores popularity, which is plain LRU.
-    Heap with lazy deletion: O(log n) per operation, one ``cms_query`` per batch of freed blocks.
-    """
-
-    def __init__(self, policy: str = "popularity", num_blocks: int = 1024, sketch_depth: int = 4,
-                 sketch_width: Optional[int] = None, decay_period: Optional[int] = None):
-        if policy not in ("popularity", "lru"):
-            raise ValueError(f"Evictor: policy must be 'popularity' or 'lru', got {policy!r}")
-        self.sketch: Optional[torch.Tensor] = None
-        if policy == "popularity":
-            width = sketch_width or 1 << max(8, (4 * num_blocks - 1).bit_length())
-            self.sketch = torch.zeros(sketch_depth, width, dtype=torch.int32)
-        # Counts live about 2 pool-fulls of lookups: long enough to rank skewed prefix traffic,
-        # short enough that chat histories (recent reuse) are not outranked by stale heads.
-        # Longer memory favours skewed workloads more, recency-driven ones less (bench/NOTES.md).
-        self.decay_period = decay_period or 2 * num_blocks
-        self._since_decay = 0
-        self._epoch = 0
-        self._heap: list[tuple[float, int, int]] = []  # (priority, push counter, block)
-        self._live: dict[int, int] = {}                # block -> push counter of its live entry
-        self._counter = 0
-
-    def __len__(self) -> int:
-        return len(self._live)
-
-    def __contains__(self, block: int) -> bool:
-        return block in self._live
-
-    def record_access(self, hashes: Sequence[int]) -> None:
-        """Count one request for each content hash (called for every prompt lookup)."""
-        if self.sketch is None or not hashes:
-            return
-        ops.cms_update(self.sketch, torch.tensor(hashes, dtype=torch.int64), conservative=True)
-        self._since_decay += len(hashes)
-        if self._since_decay >= self.decay_period:
-            ops.cms_decay(self.sketch, 1)
-            self._since_decay = 0
-            self._epoch += 1
-
-    def push(self, blocks: Sequence[int], hashes: Sequence[int]) -> None:
-        """Make blocks evictable; earlier blocks in the list are evicted first on equal priority."""
-        if not blocks:
-            return
-        if self.sketch is not None:
-            counts = ops.cms_query(self.sketch, torch.tensor(hashes, dtype=torch.int64))
-            # Content never looked up (generated output) counts as asked for once.
-            priorities = (counts.double().clamp_(min=1).log2_() + self._epoch).tolist()
-        else:
-            priorities = [0.0] * len(blocks)
-        for block, priority in zip(blocks, priorities):
-            self._counter += 1
-            self._live[block] = self._counter
-            heapq.heappush(self._heap, (priority, self._counter, block))
-
-    def remove(self, block: int) -> None:
-        """Take a block back (prefix hit); its heap entry goes stale."""
-        del self._live[block]
-        if len(self._heap) > 2 * len(self._live) + 64:  # drop stale entries now and then
-            self._heap = [e for e in self._heap if self._live.get(e[2]) == e[1]]
-            heapq.heapify(self._heap)
-
-    def pop(self) -> int:
-        """Evict the lowest-priority block."""
-        while True:
-            priority, counter, block = heapq.heappop(self._heap)
-            if self._live.get(block) == counter:
-                del self._live[block]
-                return block
 
 
 @dataclass
@@ -528,70 +431,3 @@ class BlockManager:
         cpu = cpu_owned + list(self.cpu_free) + self.cpu_deferred
         assert sorted(cpu) == list(range(self.num_cpu_blocks)), "a CPU block is lost or shared"
         assert len(rows) + len(self._free_rows) == self.table_matrix.shape[0]
-
-
-class KVCache:
-    """The KV cache tensors of all layers in the contract's layout, ``[NB, BS, Hkv, D]`` each,
-    plus CPU swap space (pinned when the cache is on a CUDA device, so swaps are one kernel).
-
-    FP8 caches (``float8_e4m3fn`` / ``float8_e5m2``) carry one per-tensor scale per layer,
-    ``k_scales[layer]`` / ``v_scales[layer]`` (float32 ``[]``, 1.0 until set): stored value =
-    ``saturate(x / scale)``.
-    """
-
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_size: int, dtype: torch.dtype = torch.float16,
-                 device: torch.device | str = "cpu", num_cpu_blocks: int = 0):
-        self.device = torch.device(device)
-        shape = (num_blocks, block_size, num_kv_heads, head_size)
-        cpu_shape = (num_cpu_blocks, *shape[1:])
-        pin = self.device.type == "cuda"
-        make = lambda: torch.empty(shape, dtype=dtype, device=self.device)  # noqa: E731
-        make_cpu = lambda: torch.empty(cpu_shape, dtype=dtype, pin_memory=pin)  # noqa: E731
-        self.key_caches = [make() for _ in range(num_layers)]
-        self.value_caches = [make() for _ in range(num_layers)]
-        self.cpu_key_caches = [make_cpu() for _ in range(num_layers)]
-        self.cpu_value_caches = [make_cpu() for _ in range(num_layers)]
-        self.dtype = dtype
-        ones = lambda: torch.ones((), dtype=torch.float32, device=self.device)  # noqa: E731
-        self.k_scales = [ones() for _ in range(num_layers)]
-        self.v_scales = [ones() for _ in range(num_layers)]
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-
-    def set_scales(self, k_scales: Sequence[float], v_scales: Sequence[float]) -> None:
-        """Per-layer FP8 scales (positive, finite); call before anything is cached."""
-        for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
-            if len(scales) != len(self.key_caches):
-                raise ValueError(f"KVCache.set_scales: {name} has {len(scales)} entries, "
-                                 f"expected one per layer ({len(self.key_caches)})")
-            bad = [s for s in scales if not (0 < float(s) < float("inf"))]
-            if bad:
-                raise ValueError(f"KVCache.set_scales: {name} must be positive and finite, "
-                                 f"got {bad[0]}")
-        for dst, src in ((self.k_scales, k_scales), (self.v_scales, v_scales)):
-            for t, value in zip(dst, src):
-                t.fill_(float(value))
-
-    @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_size: int,
-                        dtype: torch.dtype) -> int:
-        """Bytes one block takes over all layers, K and V (size a pool from a memory budget)."""
-        return 2 * num_layers * block_size * num_kv_heads * head_size * dtype.itemsize
-
-    def apply(self, moves: BlockOps) -> None:
-        """Run a step's block moves: swap out, swap in, then copy-on-write copies."""
-        if moves.swap_out.numel():
-            mapping = moves.swap_out.to(self.device)
-            for src, dst in zip(self.key_caches + self.value_caches,
-                                self.cpu_key_caches + self.cpu_value_caches):
-                ops.swap_blocks(src, dst, mapping)
-        if moves.swap_in.numel():
-            mapping = moves.swap_in.to(self.device)
-            for src, dst in zip(self.cpu_key_caches + self.cpu_value_caches,
-                                self.key_caches + self.value_caches):
-                ops.swap_blocks(src, dst, mapping)
-        if moves.copies.numel():
-            ops.copy_blocks(self.key_caches, self.value_caches, moves.copies.to(self.device))
