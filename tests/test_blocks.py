@@ -320,7 +320,8 @@ PREFIXES = [[(7 * i + j) % 23 for j in range(5 * BS)] for i in range(3)]
 
 
 class BlockMachine(RuleBasedStateMachine):
-    """Random add / append / verify / fork / truncate / free / swap / preempt / step sequences."""
+    """Random add / append / verify / fork / truncate / free / swap / preempt / evict / step
+    sequences."""
 
     @initialize(eviction=st.sampled_from(["popularity", "lru"]))
     def setup(self, eviction):
@@ -452,6 +453,25 @@ class BlockMachine(RuleBasedStateMachine):
         if seq is None or seq in self.touched:
             return  # as in the scheduler: only sequences not run in this step are preempted
         self.bm.swap_out(seq)
+
+    @precondition(lambda self: self.tokens)
+    @rule(i=st.integers(0, 99), picks=st.lists(st.integers(0, 99), min_size=1, max_size=3))
+    def evict(self, i, picks):
+        """KV eviction between steps: whole full blocks (never the last) leave the table; the
+        model of the truth is the cache's contents in cache order."""
+        seq = self._pick(i, on_gpu=True)
+        if seq is None or seq in self.touched:
+            return
+        table = self.bm.tables[seq]
+        evictable = min(self.bm.num_tokens(seq) // BS, len(table.blocks) - 1)
+        if evictable <= 0:
+            return
+        drop = sorted({p % evictable for p in picks})
+        self.bm.evict(seq, drop)
+        verified_blocks = self.verified[seq] // BS
+        for k in reversed(drop):
+            del self.tokens[seq][k * BS:(k + 1) * BS]
+        self.verified[seq] -= BS * sum(1 for k in drop if k < verified_blocks)
 
     @precondition(lambda self: self.tokens)
     @rule(i=st.integers(0, 99), extra=st.integers(0, BS))

@@ -28,6 +28,7 @@ import torch
 
 from pagedspec.engine.block_manager import BlockManager
 from pagedspec.engine.kv_cache import KVCache
+from pagedspec.engine.kv_eviction import KVBudgets, KVEvictionPolicy
 from pagedspec.engine.controller import SpecStats, SpeculationController
 from pagedspec.engine.runner import ModelRunner
 from pagedspec.engine.sampler import SamplingRow, sample, top_logprobs
@@ -57,6 +58,9 @@ class SamplingParams:
         seed: makes the request's samples reproducible whatever else is in the batch.
         n: completions to sample for the prompt.
         logprobs: return the top-``logprobs`` tokens' logprobs for every generated token.
+        kv_eviction, kv_budget, kv_sink_tokens, kv_recent_tokens: this request's KV eviction
+            policy, each None for the ``LLM``'s (see :class:`LLM` and
+            :mod:`pagedspec.engine.kv_eviction`).
     """
     temperature: float = 1.0
     top_k: int = -1
@@ -69,6 +73,10 @@ class SamplingParams:
     seed: Optional[int] = None
     n: int = 1
     logprobs: Optional[int] = None
+    kv_eviction: Optional[str] = None
+    kv_budget: Optional[int] = None
+    kv_sink_tokens: Optional[int] = None
+    kv_recent_tokens: Optional[int] = None
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the first parameter out of range."""
@@ -295,6 +303,13 @@ class LLM:
             every step. With adaptive k, a seeded sampled request's tokens can depend on the
             batch (its k does; its distribution never does).
         prompt_lookup_max, prompt_lookup_min: n-gram sizes for ``"ngram"``.
+        kv_eviction: ``"none"`` (keep every token's K/V), ``"streaming"`` (the first
+            ``kv_sink_tokens`` and the last ``kv_recent_tokens``), ``"h2o"`` (those plus the
+            blocks that received the most attention) or ``"random"`` (a baseline), within
+            ``kv_budget`` tokens per sequence; whole blocks are evicted, keys keep their
+            original positions (:mod:`pagedspec.engine.kv_eviction`). Requests may override
+            each of these in their SamplingParams. kv_recent_tokens None: the rest of the budget
+            (streaming) or half of it (h2o, random).
     """
 
     def __init__(self, model: Union[str, os.PathLike], *, dtype: Union[str, torch.dtype] = "auto",
@@ -307,7 +322,12 @@ class LLM:
                  skip_tokenizer_init: bool = False,
                  speculative_model: Union[str, os.PathLike, None] = None,
                  num_speculative_tokens: int = 4, speculative_adaptive: bool = True,
-                 prompt_lookup_max: int = 3, prompt_lookup_min: int = 1):
+                 prompt_lookup_max: int = 3, prompt_lookup_min: int = 1,
+                 kv_eviction: str = "none", kv_budget: Optional[int] = None,
+                 kv_sink_tokens: int = 4, kv_recent_tokens: Optional[int] = None):
+        self.kv_policy = KVEvictionPolicy(kv_eviction, kv_budget, kv_sink_tokens,
+                                          kv_recent_tokens)
+        self.kv_policy.check(block_size if block_size in (8, 16, 32, 64) else 16, "LLM: kv_budget")
         self.checkpoint: Checkpoint = load_checkpoint(model)
         cfg = self.checkpoint.config
         self.device = self._device(device)
@@ -374,6 +394,7 @@ class LLM:
                 self.speculation = _Speculation(controller, draft=DraftModelProposer(
                     self.draft_model, draft_cache, calibrate_fp8=draft_cache.is_fp8
                     and scales is None))
+        self.kv_budgets = KVBudgets(seed=seed)
         self.seed = seed
         self.eos_token_ids = self.checkpoint.generation.eos_token_ids
         self._request_ids = itertools.count()
@@ -505,6 +526,7 @@ class LLM:
                 raise ValueError(f"LLM.generate: sampling_params[{i}] is a {type(p).__name__}, "
                                  "expected SamplingParams")
             p.validate(self.model.vocab_size)
+            self._kv_policy(p).check(bm.block_size, f"LLM.generate: request {i}'s kv_budget")
             text, ids = self._tokenize(prompt)
             if not ids:
                 raise ValueError(f"LLM.generate: prompt {i} is empty")
@@ -522,6 +544,14 @@ class LLM:
                                      RequestMetrics(time.monotonic())))
         return requests
 
+    def _kv_policy(self, p: SamplingParams) -> KVEvictionPolicy:
+        d = self.kv_policy
+        pick = lambda mine, default: default if mine is None else mine  # noqa: E731
+        mode = pick(p.kv_eviction, d.mode)
+        return KVEvictionPolicy(mode, pick(p.kv_budget, d.budget),
+                                pick(p.kv_sink_tokens, d.sink_tokens),
+                                pick(p.kv_recent_tokens, d.recent_tokens))
+
     def _generator(self, request: _Request, index: int) -> torch.Generator:
         seed = request.params.seed
         g = torch.Generator(device=self.device)
@@ -538,6 +568,7 @@ class LLM:
                         [] if request.params.logprobs is not None else None)
         request.completions.append(c)
         self._by_seq[seq.seq_id] = (request, c)
+        self.kv_budgets.set(seq.seq_id, self._kv_policy(request.params))
         return c
 
     def _submit(self, request: _Request) -> None:
@@ -597,9 +628,9 @@ class LLM:
             k = batch.num_draft_tokens[i]
             if k:
                 request, c = self._by_seq[seq.seq_id]
-                requests.append(DraftRequest(i, seq.seq_id, seq.token_ids,
-                                             seq.num_computed_tokens, k, request.row,
-                                             c.generator))
+                requests.append(DraftRequest(
+                    i, seq.seq_id, seq.token_ids, seq.num_computed_tokens, k, request.row,
+                    c.generator, self.block_manager.tables[seq.seq_id].num_evicted))
         if not requests:
             return draft_probs
         start = time.perf_counter()
@@ -624,6 +655,21 @@ class LLM:
                 spec.controller.observe_draft(num_seqs, seconds + extra)
         return draft_probs
 
+    def _evict(self, seqs: Seq[Sequence]) -> None:
+        """KV eviction after the step: sequences over their budget drop blocks. A draft cache
+        shares the block tables, so it loses the same blocks; only blocks the draft has
+        computed too may go (its catch-up never writes into an evicted block)."""
+        draft = self.speculation.draft if self.speculation is not None else None
+        live = []
+        for seq in seqs:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            computed = seq.num_computed_tokens
+            if draft is not None:
+                computed = min(computed, draft.computed_tokens(seq.seq_id))
+            live.append((seq.seq_id, computed))
+        self.kv_budgets.enforce(self.block_manager, live)
+
     def _synchronized(self, start: float) -> float:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -641,7 +687,14 @@ class LLM:
             spec.draft.apply_moves(batch.block_ops)   # both caches make the same block moves
             draft_probs = self._draft(batch)
         start = time.perf_counter()
-        logits = self.runner.execute(batch)
+        mass = None
+        if self.kv_budgets.wants_mass(s.seq_id for s in batch.seqs):
+            bm = self.block_manager
+            mass = torch.zeros(bm.num_blocks * bm.block_size, device=self.device)
+        logits = self.runner.execute(batch, attn_mass=mass)
+        if mass is not None:
+            self.kv_budgets.record(self.block_manager, [s.seq_id for s in batch.seqs],
+                                   mass.view(bm.num_blocks, -1).sum(1).cpu())
         if spec is not None:
             spec.stats.target_seconds += self._synchronized(start)
             spec.stats.num_steps += 1
@@ -701,6 +754,7 @@ class LLM:
                          batch.cu_seqlens_q, batch.max_q_len, batch.logits_indices,
                          batch.block_ops, batch.preempted)
         self.scheduler.update(step, sampled)
+        self._evict(seqs)
         if spec is not None:
             # What the controller weighs: the whole step but the drafting (scheduling,
             # verification, sampling and bookkeeping included), by tokens in the step.
@@ -799,6 +853,7 @@ class LLM:
             if c.stop_reason is None and seq.finish_reason == "stop" and out:
                 c.stop_reason = out[-1]
             del self._by_seq[seq.seq_id]
+            self.kv_budgets.forget(seq.seq_id)
             if self.speculation is not None:
                 self.speculation.forget(seq.seq_id)
 

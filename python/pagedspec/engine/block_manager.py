@@ -37,18 +37,25 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass
 class BlockTable:
-    """One sequence's blocks: token position p lives in ``blocks[p // block_size]``.
+    """One sequence's blocks: cache position c lives in ``blocks[c // block_size]``.
 
     ``num_tokens`` counts the token slots in use (computed, or being computed this step);
     ``hashes`` are the chained content hashes of its first full, verified blocks; ``row`` is its
     row in ``BlockManager.table_matrix`` while on the GPU; ``on_cpu`` means it is swapped out and
     ``blocks`` are CPU swap-space ids.
+
+    KV eviction (:meth:`BlockManager.evict`) drops whole, full blocks from the table:
+    ``num_evicted`` tokens are gone, ``logical[i]`` is the sequence's own block index (token
+    position // block_size) of ``blocks[i]``, and a token at position p >= every evicted block
+    sits at cache position ``p - num_evicted``. Without eviction cache position = position.
     """
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
     hashes: list[int] = field(default_factory=list)
     row: int = -1
     on_cpu: bool = False
+    logical: list[int] = field(default_factory=list)
+    num_evicted: int = 0
 
 
 @dataclass
@@ -218,7 +225,9 @@ class BlockManager:
         table = self.tables[seq_id]
         end = min(num_verified, table.num_tokens, len(token_ids)) // self.block_size
         done = len(table.hashes)
-        if not self.enable_prefix_caching or end <= done or table.on_cpu:
+        # After an eviction, later K/V were computed over a partial context: they must not serve
+        # another sequence's prefix (and table indices no longer match token positions).
+        if not self.enable_prefix_caching or end <= done or table.on_cpu or table.num_evicted:
             return
         table.hashes += self.hash_blocks(token_ids, end - done,
                                          table.hashes[-1] if done else None, done)
@@ -258,7 +267,7 @@ class BlockManager:
         self.evictor.record_access(hashes)
         self.num_queried_blocks += len(hashes)
         self.num_hit_blocks += len(hits)
-        table = BlockTable(list(hits), num_cached, hashes[:len(hits)])
+        table = BlockTable(list(hits), num_cached, hashes[:len(hits)], logical=list(range(len(hits))))
         self.tables[seq_id] = table
         self._set_row(table)
         assert self.append_slots(seq_id, num_new)
@@ -299,6 +308,8 @@ class BlockManager:
                 self._touched.update((last, copy))
                 self._written.add(copy)
                 self._copy_dsts.add(copy)
+            next_logical = len(table.blocks) + table.num_evicted // bs
+            table.logical.extend(range(next_logical, next_logical + needed))
             table.blocks.extend(self._take() for _ in range(needed))
             self._write_row(table, start)
         if last >= 0 and not cow and self.block_hash[last] is not None:
@@ -317,6 +328,7 @@ class BlockManager:
         keep = cdiv(table.num_tokens, self.block_size)
         self._release(table.blocks[keep:][::-1])
         del table.blocks[keep:]
+        del table.logical[keep:]
         del table.hashes[table.num_tokens // self.block_size:]
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -326,9 +338,34 @@ class BlockManager:
             raise ValueError(f"BlockManager.fork: cannot fork {parent_id} into {child_id}")
         for block in parent.blocks:
             self.ref_counts[block] += 1
-        child = BlockTable(list(parent.blocks), parent.num_tokens, list(parent.hashes))
+        child = BlockTable(list(parent.blocks), parent.num_tokens, list(parent.hashes),
+                           logical=list(parent.logical), num_evicted=parent.num_evicted)
         self.tables[child_id] = child
         self._set_row(child)
+
+    def evict(self, seq_id: int, indices: Sequence[int]) -> None:
+        """KV eviction: drop the full blocks at table indices ``indices`` from this sequence's
+        table. A block others share stays theirs; one nobody holds returns to the pool (to the
+        prefix cache if its content is registered: that content is still a valid prefix).
+        Kept blocks are not moved: the table just closes up."""
+        table = self.tables[seq_id]
+        drop = sorted(set(indices))
+        # Full blocks only, never the last one: new tokens keep following the kept ones.
+        last = min(table.num_tokens // self.block_size, len(table.blocks) - 1) - 1
+        if table.on_cpu or not drop or drop[0] < 0 or drop[-1] > last:
+            raise ValueError(f"BlockManager.evict: sequence {seq_id} can drop only full blocks "
+                             f"0..{last} (not its last) while on the GPU, got {drop}")
+        released = []
+        for i in reversed(drop):
+            released.append(table.blocks.pop(i))
+            del table.logical[i]
+            if i < len(table.hashes):
+                del table.hashes[i]
+        self._release(released)
+        n = len(drop) * self.block_size
+        table.num_tokens -= n
+        table.num_evicted += n
+        self._write_row(table, drop[0])
 
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks, last block first (a prefix's tail is useless without its
@@ -407,6 +444,10 @@ class BlockManager:
         rows = set()
         for seq_id, t in self.tables.items():
             assert len(t.blocks) == cdiv(t.num_tokens, self.block_size), f"table {seq_id} size"
+            assert len(t.logical) == len(t.blocks), f"table {seq_id} logical indices"
+            assert t.logical == sorted(set(t.logical)), f"table {seq_id} logical order"
+            assert not t.logical or t.logical[-1] < len(t.blocks) + t.num_evicted // \
+                self.block_size, f"table {seq_id}: a block past the next logical index"
             assert len(set(t.blocks)) == len(t.blocks), f"table {seq_id} repeats a block"
             assert len(t.hashes) <= t.num_tokens // self.block_size, f"table {seq_id} hashes"
             if t.on_cpu:

@@ -15,6 +15,8 @@ FP8 is a floating-point format, so headroom costs precision only in the subnorma
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from pagedspec import ops
@@ -50,8 +52,13 @@ class ModelRunner:
             scale.copy_((amax / headroom_max).clamp_(min=1e-6))   # stays on the device: no sync
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch, all_rows: bool = False) -> torch.Tensor:
-        """Float32 logits ``[L, V]`` at ``batch.logits_indices`` (every row when ``all_rows``)."""
+    def execute(self, batch: StepBatch, all_rows: bool = False,
+                attn_mass: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Float32 logits ``[L, V]`` at ``batch.logits_indices`` (every row when ``all_rows``).
+
+        ``attn_mass``: float32 ``[num_blocks * block_size]`` on the cache's device; every layer's
+        attention adds the probability each slot received (summed over heads and query tokens),
+        the H2O signal (:mod:`pagedspec.engine.kv_eviction`)."""
         kv, model, dev = self.kv_cache, self.model, self.device
         kv.apply(batch.block_ops)      # before the forward pass: it may read copied blocks
         self.num_steps += 1
@@ -78,7 +85,7 @@ class ModelRunner:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             ops.paged_attention_run(out, q, key_cache, value_cache, block_tables, seq_lens,
                                     cu_seqlens_q, batch.max_q_len, model.scale, plan.plan,
-                                    plan.workspace, k_scale, v_scale)
+                                    plan.workspace, k_scale, v_scale, attn_mass=attn_mass)
             return out
 
         hidden = model.forward(batch.input_ids.to(dev), batch.positions.to(dev), attend)

@@ -68,7 +68,8 @@ class StepBatch:
     positions: torch.Tensor                # int64 [T]
     slot_mapping: torch.Tensor             # int64 [T], for reshape_and_cache
     block_tables: torch.Tensor             # int32 [B, M]
-    seq_lens: torch.Tensor                 # int32 [B], KV length including this step's tokens
+    seq_lens: torch.Tensor                 # int32 [B], cache length incl. this step's tokens
+                                           # (positions minus evicted tokens)
     cu_seqlens_q: torch.Tensor             # int32 [B + 1]
     max_q_len: int
     logits_indices: torch.Tensor           # int64 [L]: rows to sample from (1 + drafts per seq)
@@ -225,7 +226,8 @@ class Scheduler:
         for seq, q in scheduled:
             c, tokens = seq.num_computed_tokens, seq.token_ids
             seqs.append(seq)
-            per_seq += (q, c, len(tokens), tables[seq.seq_id].row)
+            table = tables[seq.seq_id]
+            per_seq += (q, c, len(tokens), table.row, table.num_evicted)
             if q == 1:
                 input_ids.append(tokens[c])
             else:
@@ -233,16 +235,20 @@ class Scheduler:
                 input_ids += chunk
                 if len(chunk) < q:
                     input_ids += seq.draft_token_ids[:q - len(chunk)]
-        q_lens, starts, ends, rows = np.array(per_seq, np.int64).reshape(n, 4).T
+        q_lens, starts, ends, rows, evicted = np.array(per_seq, np.int64).reshape(n, 5).T
         cu = np.zeros(n + 1, np.int64)
         np.cumsum(q_lens, out=cu[1:])
         seq_lens = starts + q_lens
         positions = np.arange(cu[-1]) - np.repeat(cu[:-1] - starts, q_lens)
+        # The cache holds a sequence's positions minus its evicted blocks (all of them before
+        # the new tokens): the kernels see cache lengths and slots, the model true positions.
+        cache_lens = seq_lens - evicted
+        cache_positions = positions - np.repeat(evicted, q_lens)
         bs = bm.block_size
-        width = int(-(-seq_lens.max() // bs)) if n else 0
+        width = int(-(-cache_lens.max() // bs)) if n else 0
         block_tables = bm.table_matrix[rows, :width]
-        slot_mapping = (block_tables[np.repeat(np.arange(n), q_lens), positions // bs]
-                        .astype(np.int64) * bs + positions % bs)
+        slot_mapping = (block_tables[np.repeat(np.arange(n), q_lens), cache_positions // bs]
+                        .astype(np.int64) * bs + cache_positions % bs)
         drafts = np.maximum(seq_lens - ends, 0)
         num_logits = (seq_lens >= ends) * (1 + drafts)
         first = np.repeat(cu[1:] - num_logits, num_logits)
@@ -254,7 +260,7 @@ class Scheduler:
             seqs=seqs, num_scheduled_tokens=q_lens.tolist(), num_draft_tokens=drafts.tolist(),
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=t(positions, torch.int64), slot_mapping=t(slot_mapping, torch.int64),
-            block_tables=t(block_tables, torch.int32), seq_lens=t(seq_lens, torch.int32),
+            block_tables=t(block_tables, torch.int32), seq_lens=t(cache_lens, torch.int32),
             cu_seqlens_q=t(cu, torch.int32), max_q_len=int(q_lens.max()) if n else 0,
             logits_indices=t(logits_indices, torch.int64), block_ops=block_ops,
             preempted=preempted)

@@ -95,6 +95,7 @@ class DraftRequest:
     k: int
     row: SamplingRow
     generator: torch.Generator
+    num_evicted: int = 0           # tokens evicted from the shared block table (KV eviction)
 
 
 def draft_distribution(logits: torch.Tensor, rows: Seq[SamplingRow]) -> torch.Tensor:
@@ -147,7 +148,7 @@ class DraftModelProposer:
         # Pass 1 catches each cache up and drafts one token; pass j > 1 feeds draft j - 1.
         for j in range(max(r.k for r in requests)):
             active = [i for i, r in enumerate(requests) if r.k > j]
-            input_ids, positions, owners, q_lens, seq_lens = [], [], [], [], []
+            input_ids, positions, owners, q_lens, seq_lens, evicted = [], [], [], [], [], []
             for i in active:
                 r = requests[i]
                 n = len(r.token_ids)
@@ -160,10 +161,13 @@ class DraftModelProposer:
                     positions.append(n + j - 1)
                 q_lens.append(len(positions) - sum(q_lens))
                 owners += [r.batch_index] * q_lens[-1]
-                seq_lens.append(positions[-1] + 1)
+                evicted += [r.num_evicted] * q_lens[-1]
+                seq_lens.append(positions[-1] + 1 - r.num_evicted)   # the cache's length
             pos = torch.tensor(positions, dtype=torch.int64)
+            cache_pos = pos - torch.tensor(evicted, dtype=torch.int64)
             rows = tables[torch.tensor([requests[i].batch_index for i in active])]
-            slot_mapping = (tables[torch.tensor(owners), pos // bs].long() * bs + pos % bs)
+            slot_mapping = (tables[torch.tensor(owners), cache_pos // bs].long() * bs
+                            + cache_pos % bs)
             if j == 0:
                 slot_mapping = _first_writer_only(slot_mapping)
             cu = torch.zeros(len(active) + 1, dtype=torch.int32)
@@ -197,6 +201,10 @@ class DraftModelProposer:
         """After verification: the draft K/V of rejected drafts are stale."""
         if seq_id in self._computed:
             self._computed[seq_id] = min(self._computed[seq_id], num_tokens_before + accepted)
+
+    def computed_tokens(self, seq_id: int) -> int:
+        """Tokens of the sequence the draft cache holds (KV eviction keeps to them)."""
+        return self._computed.get(seq_id, 0)
 
     def forget(self, seq_id: int) -> None:
         self._computed.pop(seq_id, None)
