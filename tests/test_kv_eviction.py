@@ -227,3 +227,25 @@ def test_a_request_budget_too_small_is_refused_at_admission(models):
         llm.generate([[5] * 10, [6] * 10], [good, bad], use_tqdm=False)
     # Nothing was queued: the next call runs alone.
     assert len(llm.generate([[5] * 10], good, use_tqdm=False)) == 1
+
+
+def test_eviction_benchmark_runs(models, tmp_path):
+    """The evaluation (pagedspec.bench.eviction) end to end on a tiny model: a row per policy
+    and budget, budgets respected, the 100% budget equal to the full cache."""
+    from pagedspec.bench import eviction
+
+    text = tmp_path / "code.py"
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(400)))
+    report = eviction.run(models["target"], torch.device("cpu"), context=256, docs=2,
+                          texts=[text])
+    rows = report["rows"]
+    assert {(r["policy"], r["budget"]) for r in rows} >= {("none", None), ("h2o", 96)}
+    full = rows[0]
+    for r in rows[1:]:
+        assert r["peak_kv_tokens"] <= r["budget"]
+        if r["budget"] >= 256:
+            assert r["perplexity"] == pytest.approx(full["perplexity"], rel=1e-6)
+            assert r["evicted_blocks"] == 0
+        else:
+            assert r["evicted_blocks"] > 0 and r["kv_share"] < 1
+    assert "| h2o | 96 |" in eviction.markdown_table(report)
