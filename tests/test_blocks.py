@@ -300,6 +300,42 @@ def test_evictor_compacts_stale_entries():
     assert len(ev._heap) < 200 and len(ev) == 0
 
 
+def test_kv_eviction_drops_blocks_only_from_the_evicting_table():
+    """A shared prefix block evicted by one sequence stays in the other's table; a block nobody
+    holds any more returns to the pool (to the prefix cache when its content is registered); the
+    kept blocks do not move; evicted tables stop registering prefix blocks."""
+    bm = BlockManager(12, BS)
+    prompt = list(range(3 * BS + 2))
+    bm.allocate(0, prompt)
+    bm.cache_blocks(0, prompt, len(prompt))
+    bm.end_step()
+    bm.allocate(1, prompt[:2 * BS] + [99, 98, 97])       # shares blocks 0 and 1 of sequence 0
+    bm.end_step()
+    shared, own = bm.tables[0].blocks[1], bm.tables[0].blocks[2]
+    assert bm.tables[1].blocks[1] == shared and bm.ref_counts[shared] == 2
+    kept = bm.tables[0].blocks[0]
+    bm.evict(0, [1, 2])
+    t0 = bm.tables[0]
+    assert t0.blocks[0] == kept and t0.logical == [0, 3] and t0.num_evicted == 2 * BS
+    assert t0.num_tokens == BS + 2 and bm.ref_counts[shared] == 1
+    assert bm.tables[1].blocks[1] == shared               # still the other sequence's
+    assert own in bm.evictor and bm.block_hash[own] is not None   # a valid prefix, cached
+    bm.append_slots(0, BS)                                # grows past the evicted blocks
+    assert bm.tables[0].logical == [0, 3, 4]
+    bm.cache_blocks(0, prompt + [1] * BS, 100)            # no registration after an eviction
+    assert len(bm.tables[0].hashes) == 1
+    bm.check_invariants()
+    with pytest.raises(ValueError, match="not its last"):
+        bm.evict(0, [2])                                  # the last block
+    with pytest.raises(ValueError, match="full blocks"):
+        bm.evict(1, [2])                                  # a partly filled block
+    bm.free(0)
+    bm.free(1)
+    bm.end_step()
+    bm.check_invariants()
+    assert bm.num_free_blocks == 12
+
+
 def test_fp8_pool_and_sizing():
     kv = KVCache(2, 4, BS, 2, HEAD, torch.float8_e4m3fn, "cpu", 2)
     assert kv.key_caches[0].shape == (4, BS, 2, HEAD)
