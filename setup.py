@@ -6,7 +6,8 @@ Environment:
   TORCH_CUDA_ARCH_LIST      CUDA archs, default "8.9;9.0a" (Ada and Hopper).
   CUDA_HOME                 CUDA toolkit root; default /usr/local/cuda when it has bin/nvcc.
   MAX_JOBS                  parallel compile jobs (default: CPU count).
-  PAGEDSPEC_NATIVE=0        compile CPU kernels without -march=native (portable wheels).
+  PAGEDSPEC_NATIVE=1        compile with -march=native (not portable; the CPU kernels choose
+                            their ISA level at run time without it).
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_BUILD_TYPE={'Debug' if self.debug else 'Release'}",
             f"-DPAGEDSPEC_CUDA={cuda_mode}",
             f"-DPAGEDSPEC_CUDA_ARCHS={archs}",
-            f"-DPAGEDSPEC_NATIVE={'OFF' if os.environ.get('PAGEDSPEC_NATIVE') == '0' else 'ON'}",
+            f"-DPAGEDSPEC_NATIVE={'ON' if os.environ.get('PAGEDSPEC_NATIVE') == '1' else 'OFF'}",
         ]
         cuda_home = _cuda_home()
         if cuda_home and cuda_mode != "OFF":

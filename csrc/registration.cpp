@@ -14,6 +14,7 @@
 #include <iterator>
 
 #include "attention_checks.h"
+#include "cpu/isa.h"
 
 #include <cstring>
 #include <sstream>
@@ -198,8 +199,22 @@ TORCH_LIBRARY(pagedspec, m) {
 #define PAGEDSPEC_CUDA_VERSION ""
 #endif
 
+// _C.cpu_isa(): the CPU kernels' ISA level in use now (PAGEDSPEC_CPU_ISA or the best here).
+static PyObject* cpu_isa_in_use(PyObject*, PyObject*) {
+  try {
+    return PyUnicode_FromString(pagedspec::cpu_isa_name(pagedspec::cpu_isa()));
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+static PyMethodDef kMethods[] = {
+    {"cpu_isa", cpu_isa_in_use, METH_NOARGS, "The CPU kernels' ISA level in use."},
+    {nullptr, nullptr, 0, nullptr}};
+
 extern "C" PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, kMethods};
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
 #ifdef PAGEDSPEC_WITH_CUDA
@@ -217,5 +232,21 @@ extern "C" PyMODINIT_FUNC PyInit__C(void) {
     PyTuple_SET_ITEM(head_sizes, i, PyLong_FromLong(pagedspec::kAttentionHeadSizes[i]));
   }
   if (PyModule_AddObject(module, "attention_head_sizes", head_sizes) < 0) return nullptr;
+  // The CPU ISA levels the kernels are built for, and those this CPU runs.
+  PyObject* levels = PyTuple_New(3);
+  PyObject* supported = PyList_New(0);
+  if (levels == nullptr || supported == nullptr) return nullptr;
+  int i = 0;
+  for (auto isa : {pagedspec::CpuIsa::kBaseline, pagedspec::CpuIsa::kAvx2,
+                   pagedspec::CpuIsa::kAvx512}) {
+    PyTuple_SET_ITEM(levels, i++, PyUnicode_FromString(pagedspec::cpu_isa_name(isa)));
+    if (pagedspec::cpu_supports(isa)) {
+      PyObject* name = PyUnicode_FromString(pagedspec::cpu_isa_name(isa));
+      PyList_Append(supported, name);
+      Py_DECREF(name);
+    }
+  }
+  if (PyModule_AddObject(module, "cpu_isa_levels", levels) < 0) return nullptr;
+  if (PyModule_AddObject(module, "cpu_isa_supported", supported) < 0) return nullptr;
   return module;
 }

@@ -23,8 +23,10 @@ def build_info() -> dict:
     Returns a dict with ``backends`` (``["cpu"]`` or ``["cpu", "cuda"]``), ``cuda_archs`` (the
     archs the CUDA kernels were compiled for), ``cuda_version`` (nvcc's), ``torch_built``
     (torch the extension was compiled against), ``torch_runtime``, ``cuda_available`` (whether a
-    GPU can be used now) and ``attention_head_sizes`` (the head sizes the attention kernels are
-    built for).
+    GPU can be used now), ``attention_head_sizes`` (the head sizes the attention kernels are
+    built for), ``cpu_isa_levels`` (the x86 levels the CPU kernels are built for),
+    ``cpu_isa_supported`` (those this CPU runs) and ``cpu_isa`` (the one in use: the best
+    supported, or ``PAGEDSPEC_CPU_ISA=baseline|avx2|avx512``).
     """
     with_cuda = bool(_C.with_cuda)
     return {
@@ -36,4 +38,7 @@ def build_info() -> dict:
         "torch_runtime": torch.__version__,
         "cuda_available": with_cuda and torch.cuda.is_available(),
         "attention_head_sizes": list(_C.attention_head_sizes),
+        "cpu_isa_levels": list(_C.cpu_isa_levels),
+        "cpu_isa_supported": list(_C.cpu_isa_supported),
+        "cpu_isa": _C.cpu_isa(),
     }

@@ -1,0 +1,512 @@
+// The CPU paged-attention kernel, one source built once per ISA level (cpu/isa.h): included only
+// by cpu/attention_<level>.cpp, after cpu/attention_levels.h (every header) and the level's
+// `#pragma GCC target`, with PAGEDSPEC_CPU_LEVEL and PAGEDSPEC_CPU_NAMESPACE defined.
+//
+// A task is (sequence, KV head, chunk of query rows, range of positions). Its query rows are all
+// query tokens x all query heads of that KV head's group, so each K/V row is read from memory
+// once per task and used by every row. Positions are walked in tiles of kTile: K rows are read
+// straight from the cache and decoded in registers (CacheReader: bf16/fp16 conversions, FP8 as
+// exactly CacheCodec::decode), scored against the rows in 4-row x 4-position blocks, folded into
+// each row's online-softmax state (include/pagedspec/attention.h, the same helpers as the CUDA
+// kernels), then the V rows are decoded and accumulated with the weights. What a row may not see
+// (past its causal limit, or past seq_len) never enters its softmax or its accumulator, not even
+// with a zero weight, so inf or NaN in unused slots or in a later draft token cannot reach it.
+// The next tile's K rows and this tile's V rows are prefetched while scoring (the rows are
+// scattered by the block table, so the hardware prefetchers cannot run ahead).
+//
+// The work comes from a split-KV plan (attention_plan.h): one task per (item, KV head); items of
+// split sequences write a partial (acc, max, sum), merged afterwards with merge_softmax.
+// attn_mass: a separate pass after the final LSE is known (see mass_pass), so the fast path pays
+//     nothing for it.
+#include "cpu/vec.h"
+
+namespace pagedspec {
+namespace PAGEDSPEC_CPU_NAMESPACE {
+namespace {
+
+constexpr int kTile = 32;      // positions decoded and scored together
+constexpr int kMaxRows = kCpuAttentionRows;  // query rows (tokens x heads of a group) per task
+constexpr int kMassTile = 256; // positions per attn_mass task
+constexpr int kScoreTokens = 4; // key rows per score block (with 4 query rows: 16 dot products)
+
+// out[r * NT + t] = q[r] . k[t] for NR query rows (stride D) and NT key rows read straight from
+// the cache: each key vector is decoded once for all NR rows, each query vector loaded once for
+// all NT keys.
+template <int NR, int NT, typename CacheT, CacheFormat F>
+inline void score_block(const float* __restrict q, const CacheT* const* k,
+                        const CacheReader<CacheT, F>& reader, int D, float* out) {
+  vfloat acc[NR][NT];
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) acc[r][t] = vzero();
+  }
+  for (int d = 0; d < D; d += kLanes) {
+    vfloat kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = reader.load16(k[t] + d);
+    for (int r = 0; r < NR; ++r) {
+      const vfloat qv = vload(q + r * D + d);
+      for (int t = 0; t < NT; ++t) acc[r][t] = vfma(qv, kv[t], acc[r][t]);
+    }
+  }
+#if PAGEDSPEC_CPU_LEVEL == 2
+  if constexpr (NR * NT == 16) {
+    _mm512_storeu_ps(out, sum16(&acc[0][0]));
+    return;
+  }
+#elif PAGEDSPEC_CPU_LEVEL == 1
+  if constexpr (NR * NT % 8 == 0) {
+    __m256 halves[NR * NT];
+    for (int i = 0; i < NR * NT; ++i) {
+      halves[i] = _mm256_add_ps(acc[i / NT][i % NT].lo, acc[i / NT][i % NT].hi);
+    }
+    for (int i = 0; i < NR * NT; i += 8) _mm256_storeu_ps(out + i, sum8(halves + i));
+    return;
+  }
+#endif
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) out[r * NT + t] = vsum(acc[r][t]);
+  }
+}
+
+// acc[r] += sum_t w[r][t] * v[t] for NR rows (acc stride D, w stride kTile) over n value rows
+// read straight from the cache. The accumulators stay in registers across the rows and each V
+// vector is decoded once for all NR rows.
+template <int NR, typename CacheT, CacheFormat F>
+inline void accumulate_block(float* __restrict acc, const float* __restrict w,
+                             const CacheT* const* v, const CacheReader<CacheT, F>& reader, int n,
+                             int D, int w_stride) {
+  for (int d = 0; d < D; d += kLanes) {
+    // Two accumulators per row (even and odd positions) so that, with few rows, the FMA latency
+    // chains are not what limits the loop.
+    vfloat a[NR], b[NR];
+    for (int r = 0; r < NR; ++r) {
+      a[r] = vload(acc + r * D + d);
+      b[r] = vzero();
+    }
+    int t = 0;
+    for (; t + 2 <= n; t += 2) {
+      const vfloat v0 = reader.load16(v[t] + d);
+      const vfloat v1 = reader.load16(v[t + 1] + d);
+      for (int r = 0; r < NR; ++r) {
+        a[r] = vfma(vset1(w[r * w_stride + t]), v0, a[r]);
+        b[r] = vfma(vset1(w[r * w_stride + t + 1]), v1, b[r]);
+      }
+    }
+    if (t < n) {
+      const vfloat v0 = reader.load16(v[t] + d);
+      for (int r = 0; r < NR; ++r) a[r] = vfma(vset1(w[r * w_stride + t]), v0, a[r]);
+    }
+    for (int r = 0; r < NR; ++r) vstore(acc + r * D + d, vadd(a[r], b[r]));
+  }
+}
+
+// Asks for the cache lines of `bytes` bytes at `ptr`. Each (position, KV head) row is only
+// D * elem_size bytes, scattered by the block table, so the hardware prefetchers cannot run ahead;
+// the kernel prefetches a tile ahead instead.
+inline void prefetch_row(const void* ptr, int bytes) {
+  const char* p = static_cast<const char*>(ptr);
+  for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
+inline void scale_row(float* __restrict y, float a, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) y[i] *= a;
+}
+
+// One unit of work. Rows are numbered within the sequence as row = j * G + g for query token j
+// and head g of the group, so the rows of one query token are adjacent.
+struct Task {
+  int seq;
+  int kv_head;
+  int row_begin;
+  int num_rows;
+  int pos_begin;
+  int pos_end;
+  int partition;  // v2 partition index (0 for v1)
+};
+
+// Where a row's query lives and what it may see.
+struct RowInfo {
+  int token;  // index into query / out / lse
+  int head;   // query head
+  int limit;  // last visible position (inclusive)
+};
+
+template <typename QT, typename CacheT, CacheFormat F>
+class CpuPagedAttention {
+ public:
+  explicit CpuPagedAttention(const PagedAttentionParams<QT, CacheT>& p) : p_(p) {}
+
+  RowInfo row_info(int seq, int kv_head, int row) const {
+    const int G = p_.group_size();
+    const int first = p_.cu_seqlens_q[seq];
+    const int q_len = p_.cu_seqlens_q[seq + 1] - first;
+    const int j = row / G;
+    return RowInfo{first + j, kv_head * G + row % G, causal_limit(p_.seq_lens[seq], q_len, j)};
+  }
+
+  // Per-thread scratch, sized once per parallel_for chunk.
+  struct Workspace {
+    std::vector<float> q, acc, w;
+    std::vector<RowInfo> rows;
+    std::vector<SoftmaxState> state;
+    std::vector<int> visible;
+    const CacheT* krows[kTile];
+    const CacheT* vrows[kTile];
+    const CacheT* next_krows[kTile];  // null past the end
+    CacheReader<CacheT, F> kreader, vreader;
+
+    explicit Workspace(int D)
+        : q(size_t(kMaxRows) * D), acc(size_t(kMaxRows) * D), w(size_t(kMaxRows) * kTile),
+          rows(kMaxRows), state(kMaxRows), visible(kMaxRows) {}
+  };
+
+  // Loads the task's query rows, scaled into the log2 domain.
+  void load_queries(const Task& task, Workspace& ws) const {
+    const int D = p_.head_size;
+    const float q_scale = p_.scale * kLog2e;
+    for (int r = 0; r < task.num_rows; ++r) {
+      const RowInfo info = row_info(task.seq, task.kv_head, task.row_begin + r);
+      ws.rows[r] = info;
+      const QT* src = p_.query + int64_t(info.token) * p_.q_token_stride +
+                      int64_t(info.head) * p_.q_head_stride;
+      float* dst = ws.q.data() + size_t(r) * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) dst[d] = ScalarConvert<QT>::to_float(src[d]) * q_scale;
+    }
+  }
+
+  // Locates the tile's n K and V rows and the next tile's K rows (prefetched while this tile is
+  // scored), and counts what each row may see of this tile.
+  void locate_tile(const Task& task, Workspace& ws, int start, int n, int next_n) const {
+    for (int t = 0; t < n; ++t) {
+      const int64_t off = p_.cache_offset(task.seq, start + t, task.kv_head);
+      ws.krows[t] = p_.key_cache + off;
+      ws.vrows[t] = p_.value_cache + off;
+    }
+    for (int t = 0; t < kTile; ++t) {
+      ws.next_krows[t] = t < next_n
+          ? p_.key_cache + p_.cache_offset(task.seq, start + kTile + t, task.kv_head)
+          : nullptr;
+    }
+    for (int r = 0; r < task.num_rows; ++r) {
+      ws.visible[r] = std::clamp(ws.rows[r].limit - start + 1, 0, n);
+    }
+  }
+
+  // ws.w[r][t] = q[r] . k[t] for every row and every position it may see, blocks of four rows
+  // and kScoreTokens positions. Rows ascend in query token, so the last row of a group sees the most.
+  void score_tile(int R, Workspace& ws, bool want_values) const {
+    const int D = p_.head_size;
+    const int row_bytes = D * int(sizeof(CacheT));
+    for (int r0 = 0; r0 < R; r0 += 4) {
+      const int nr = std::min(4, R - r0);
+      const int group_visible = ws.visible[r0 + nr - 1];
+      with_rows(nr, [&](auto NR) {
+        float out[4 * kScoreTokens];
+        const float* q = ws.q.data() + size_t(r0) * D;
+        int t = 0;
+        for (; t + kScoreTokens <= group_visible; t += kScoreTokens) {
+          if (r0 == 0) {
+            // Prefetches interleaved with the work keep a steady number of misses in flight:
+            // this tile's V rows (read after the scores) and the next tile's K rows.
+            for (int i = t; i < t + kScoreTokens; ++i) {
+              if (want_values) prefetch_row(ws.vrows[i], row_bytes);
+              if (ws.next_krows[i] != nullptr) prefetch_row(ws.next_krows[i], row_bytes);
+            }
+          }
+          score_block<NR, kScoreTokens>(q, ws.krows + t, ws.kreader, D, out);
+          for (int i = 0; i < NR; ++i) {
+            for (int j = 0; j < kScoreTokens; ++j) ws.w[(r0 + i) * kTile + t + j] = out[i * kScoreTokens + j];
+          }
+        }
+        for (; t < group_visible; ++t) {
+          if (r0 == 0) {
+            if (want_values) prefetch_row(ws.vrows[t], row_bytes);
+            if (ws.next_krows[t] != nullptr) prefetch_row(ws.next_krows[t], row_bytes);
+          }
+          score_block<NR, 1>(q, ws.krows + t, ws.kreader, D, out);
+          for (int i = 0; i < NR; ++i) ws.w[(r0 + i) * kTile + t] = out[i];
+        }
+      });
+    }
+  }
+
+  template <typename Fn>
+  static void with_rows(int nr, Fn&& fn) {
+    switch (nr) {
+      case 4: fn(std::integral_constant<int, 4>{}); break;
+      case 3: fn(std::integral_constant<int, 3>{}); break;
+      case 2: fn(std::integral_constant<int, 2>{}); break;
+      default: fn(std::integral_constant<int, 1>{}); break;
+    }
+  }
+
+  // Online softmax of the task's rows over [pos_begin, pos_end): leaves each row's state in
+  // ws.state and its unnormalized accumulator (sum of weight * v) in ws.acc.
+  void attend(const Task& task, Workspace& ws) const {
+    const int D = p_.head_size;
+    const int R = task.num_rows;
+    load_queries(task, ws);
+    ws.kreader.init(p_.k_scale.at(task.kv_head));
+    ws.vreader.init(p_.v_scale.at(task.kv_head));
+    std::fill(ws.acc.begin(), ws.acc.begin() + size_t(R) * D, 0.0f);
+    std::fill(ws.state.begin(), ws.state.begin() + R, SoftmaxState::empty());
+    // Rows are in query-token order, so the last row sees the furthest.
+    const int pos_end = std::min(task.pos_end, ws.rows[R - 1].limit + 1);
+    for (int start = task.pos_begin; start < pos_end; start += kTile) {
+      const int n = std::min(kTile, pos_end - start);
+      locate_tile(task, ws, start, n, std::min(kTile, pos_end - start - kTile));
+      if (start == task.pos_begin) {
+        for (int t = 0; t < n; ++t) prefetch_row(ws.krows[t], D * int(sizeof(CacheT)));
+      }
+      score_tile(R, ws, true);
+      // Online softmax per row over the positions it sees (scores past its limit are left unread).
+      for (int r = 0; r < R; ++r) {
+        const int visible = ws.visible[r];
+        float* w = ws.w.data() + r * kTile;
+        if (visible > 0) {
+          float tile_max = neg_inf();
+          for (int t = 0; t < visible; ++t) tile_max = std::max(tile_max, w[t]);
+          SoftmaxState& st = ws.state[r];
+          const float factor = st.raise_max(tile_max);
+          if (factor != 1.0f) scale_row(ws.acc.data() + size_t(r) * D, factor, D);
+          st.sum += exp2_weights(w, visible, st.max);
+        }
+      }
+      for (int r0 = 0; r0 < R; r0 += 4) accumulate_rows(ws, r0, std::min(4, R - r0));
+    }
+  }
+
+  // acc[r] += sum over the positions row r sees of w[r][t] * v[t], for rows r0 .. r0 + nr - 1.
+  // Their visible counts never decrease (rows ascend in query token), so the positions split into
+  // segments [visible[i-1], visible[i]) that rows i .. nr - 1 all see. Each segment is accumulated
+  // for exactly those rows: a position past a row's limit is never multiplied into it, not even by
+  // a zero weight, so an inf or NaN in a later draft token's V cannot reach an earlier token
+  // (the contract's Isolation).
+  void accumulate_rows(Workspace& ws, int r0, int nr) const {
+    const int D = p_.head_size;
+    int begin = 0;
+    for (int i = 0; i < nr; ++i) {
+      const int end = ws.visible[r0 + i];
+      if (end > begin) {
+        const int row = r0 + i;
+        with_rows(nr - i, [&](auto NR) {
+          accumulate_block<NR>(ws.acc.data() + size_t(row) * D, ws.w.data() + row * kTile + begin,
+                               ws.vrows + begin, ws.vreader, end - begin, D, kTile);
+        });
+        begin = end;
+      }
+    }
+  }
+
+  // v1 epilogue: out = acc / sum, lse.
+  void write_final(const Task& task, const Workspace& ws) const {
+    const int D = p_.head_size;
+    for (int r = 0; r < task.num_rows; ++r) {
+      const RowInfo& info = ws.rows[r];
+      const SoftmaxState& st = ws.state[r];
+      const float inv = st.sum > 0.0f ? 1.0f / st.sum : 0.0f;
+      const float* acc = ws.acc.data() + size_t(r) * D;
+      QT* dst = p_.out + int64_t(info.token) * p_.out_token_stride +
+                int64_t(info.head) * p_.out_head_stride;
+      for (int d = 0; d < D; ++d) dst[d] = ScalarConvert<QT>::from_float(acc[d] * inv);
+      if (p_.lse != nullptr) p_.lse[int64_t(info.token) * p_.num_heads + info.head] = st.lse();
+    }
+  }
+
+  // Split epilogue: the partition's partial state per row, at its partial row of the plan.
+  void write_partial(const Task& task, const Workspace& ws, const PlanView& plan) const {
+    const int D = p_.head_size;
+    const int first = p_.cu_seqlens_q[task.seq];
+    const int parts = plan.parts(task.seq);
+    const int64_t base = plan.partial_base(task.seq);
+    for (int r = 0; r < task.num_rows; ++r) {
+      const RowInfo& info = ws.rows[r];
+      const int64_t idx =
+          (base + int64_t(info.token - first) * parts + task.partition) * p_.num_heads + info.head;
+      p_.part_max[idx] = ws.state[r].max;
+      p_.part_sum[idx] = ws.state[r].sum;
+      std::copy_n(ws.acc.data() + size_t(r) * D, D, p_.part_acc + idx * D);
+    }
+  }
+
+  // Split reduction for one (query token, head) of a split sequence: folds the partitions the
+  // row can see.
+  void merge_partitions(int seq, int token, int head, const PlanView& plan, float* acc) const {
+    const int D = p_.head_size;
+    const int first = p_.cu_seqlens_q[seq];
+    const int q_len = p_.cu_seqlens_q[seq + 1] - first;
+    const int limit = causal_limit(p_.seq_lens[seq], q_len, token - first);
+    const int parts = std::min(plan.parts(seq), limit / plan.partition_size() + 1);
+    const int64_t row = plan.partial_base(seq) + int64_t(token - first) * plan.parts(seq);
+    SoftmaxState st = SoftmaxState::empty();
+    std::fill(acc, acc + D, 0.0f);
+    for (int k = 0; k < parts; ++k) {
+      const int64_t idx = (row + k) * p_.num_heads + head;
+      const SoftmaxMerge m = merge_softmax(st, SoftmaxState{p_.part_max[idx], p_.part_sum[idx]});
+      const float* part_acc = p_.part_acc + idx * D;
+#pragma omp simd
+      for (int d = 0; d < D; ++d) acc[d] = acc[d] * m.weight_a + part_acc[d] * m.weight_b;
+      st = m.state;
+    }
+    const float inv = st.sum > 0.0f ? 1.0f / st.sum : 0.0f;
+    QT* dst = p_.out + int64_t(token) * p_.out_token_stride + int64_t(head) * p_.out_head_stride;
+    for (int d = 0; d < D; ++d) dst[d] = ScalarConvert<QT>::from_float(acc[d] * inv);
+    if (p_.lse != nullptr) p_.lse[int64_t(token) * p_.num_heads + head] = st.lse();
+  }
+
+  // attn_mass: adds, for every visible position, the sum over all heads and query tokens of
+  // exp2(s - lse_log2), the final probability, with s recomputed exactly as attend() does.
+  // Tasks are (sequence, kMassTile positions) and loop over every KV head and row, so one
+  // sequence's mass for a slot is summed inside one task and added once: distinct slots never
+  // race, and the add is atomic only because two sequences may share a block (prefix sharing).
+  void mass_pass(const float* lse, const std::vector<Task>& mass_tasks) const {
+    const int G = p_.group_size();
+    at::parallel_for(0, int64_t(mass_tasks.size()), 1, [&](int64_t begin, int64_t end) {
+      Workspace ws(p_.head_size);
+      std::vector<float> mass(kMassTile);
+      std::vector<float> lse2(kMaxRows);
+      for (int64_t i = begin; i < end; ++i) {
+        const Task& span = mass_tasks[i];
+        const int q_len = p_.cu_seqlens_q[span.seq + 1] - p_.cu_seqlens_q[span.seq];
+        const int n_pos = span.pos_end - span.pos_begin;
+        std::fill(mass.begin(), mass.begin() + n_pos, 0.0f);
+        for (int kv_head = 0; kv_head < p_.num_kv_heads; ++kv_head) {
+          ws.kreader.init(p_.k_scale.at(kv_head));
+          for (int row0 = 0; row0 < q_len * G; row0 += kMaxRows) {
+            const Task task{span.seq, kv_head, row0, std::min(kMaxRows, q_len * G - row0),
+                            span.pos_begin, span.pos_end, 0};
+            load_queries(task, ws);
+            for (int r = 0; r < task.num_rows; ++r) {
+              lse2[r] = lse[int64_t(ws.rows[r].token) * p_.num_heads + ws.rows[r].head] * kLog2e;
+            }
+            const int pos_end = std::min(span.pos_end, ws.rows[task.num_rows - 1].limit + 1);
+            for (int start = span.pos_begin; start < pos_end; start += kTile) {
+              const int n = std::min(kTile, pos_end - start);
+              locate_tile(task, ws, start, n, std::min(kTile, pos_end - start - kTile));
+              score_tile(task.num_rows, ws, false);
+              for (int r = 0; r < task.num_rows; ++r) {
+                const float* w = ws.w.data() + r * kTile;
+                float* m = mass.data() + (start - span.pos_begin);
+                for (int t = 0; t < ws.visible[r]; ++t) m[t] += softmax_exp2(w[t] - lse2[r]);
+              }
+            }
+          }
+        }
+        for (int t = 0; t < n_pos; ++t) {
+          std::atomic_ref<float>(p_.attn_mass[p_.slot(span.seq, span.pos_begin + t)])
+              .fetch_add(mass[t], std::memory_order_relaxed);
+        }
+      }
+    });
+  }
+
+ private:
+  const PagedAttentionParams<QT, CacheT>& p_;
+};
+
+// The plan's work items as CPU tasks: one per (item, KV head).
+template <typename QT, typename CacheT>
+std::vector<Task> plan_tasks(const PagedAttentionParams<QT, CacheT>& p, const PlanView& plan) {
+  const int G = p.group_size();
+  const int P = plan.partition_size();
+  std::vector<Task> tasks;
+  tasks.reserve(size_t(plan.num_items()) * p.num_kv_heads);
+  for (int i = 0; i < plan.num_items(); ++i) {
+    const PlanItem item = plan.item(i);
+    const int q_len = p.cu_seqlens_q[item.seq + 1] - p.cu_seqlens_q[item.seq];
+    const int seq_len = p.seq_lens[item.seq];
+    const bool split = plan.parts(item.seq) > 1;
+    const int begin = split ? item.partition * P : 0;
+    const int end = split ? std::min(seq_len, begin + P) : seq_len;
+    for (int kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
+      tasks.push_back(Task{item.seq, kv_head, item.row0, std::min(kMaxRows, q_len * G - item.row0),
+                           begin, end, item.partition});
+    }
+  }
+  return tasks;
+}
+
+template <typename QT, typename CacheT, CacheFormat F>
+void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, const PlanView& plan,
+             float* workspace, const at::Tensor& query) {
+  CpuPagedAttention<QT, CacheT, F> kernel(p);
+  const int64_t R = plan.field(kPlanFieldPartialRows);
+  p.part_acc = workspace;
+  p.part_max = workspace == nullptr ? nullptr : workspace + R * p.num_heads * p.head_size;
+  p.part_sum = workspace == nullptr ? nullptr : p.part_max + R * p.num_heads;
+
+  // attn_mass needs the final LSE: the caller's buffer, or a scratch one.
+  at::Tensor lse_scratch;
+  if (p.attn_mass != nullptr && p.lse == nullptr) {
+    lse_scratch = at::empty({args.num_tokens, args.num_heads}, query.options().dtype(at::kFloat));
+    p.lse = lse_scratch.data_ptr<float>();
+  }
+
+  const std::vector<Task> tasks = plan_tasks(p, plan);
+  at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    typename CpuPagedAttention<QT, CacheT, F>::Workspace ws(p.head_size);
+    for (int64_t i = begin; i < end; ++i) {
+      kernel.attend(tasks[i], ws);
+      if (plan.parts(tasks[i].seq) > 1) {
+        kernel.write_partial(tasks[i], ws, plan);
+      } else {
+        kernel.write_final(tasks[i], ws);
+      }
+    }
+  });
+
+  if (R > 0) {
+    // Reduction over the (query token, head) rows of split sequences.
+    std::vector<int> split_tokens, token_seq;
+    for (int seq = 0; seq < p.num_seqs; ++seq) {
+      if (plan.parts(seq) <= 1) continue;
+      for (int t = p.cu_seqlens_q[seq]; t < p.cu_seqlens_q[seq + 1]; ++t) {
+        split_tokens.push_back(t);
+        token_seq.push_back(seq);
+      }
+    }
+    const int64_t rows = int64_t(split_tokens.size()) * p.num_heads;
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(p.head_size);
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / p.num_heads;
+        kernel.merge_partitions(token_seq[t], split_tokens[t], int(i % p.num_heads), plan,
+                                acc.data());
+      }
+    });
+  }
+
+  if (p.attn_mass != nullptr) {
+    std::vector<Task> mass_tasks;
+    for (int seq = 0; seq < p.num_seqs; ++seq) {
+      if (p.cu_seqlens_q[seq + 1] == p.cu_seqlens_q[seq]) continue;
+      for (int pos = 0; pos < p.seq_lens[seq]; pos += kMassTile) {
+        mass_tasks.push_back(Task{seq, 0, 0, 0, pos, std::min(p.seq_lens[seq], pos + kMassTile), 0});
+      }
+    }
+    kernel.mass_pass(p.lse, mass_tasks);
+  }
+}
+
+}  // namespace
+
+void run_planned_attention(const char* op, at::Tensor& out, const at::Tensor& query,
+                           const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& cu_seqlens_q, double scale,
+                           const c10::optional<at::Tensor>& lse,
+                           const c10::optional<at::Tensor>& attn_mass, const AttentionArgs& args,
+                           const PlanView& plan, float* workspace) {
+  PAGEDSPEC_DISPATCH_ACTIVATION(query.scalar_type(), op, "query", [&] {
+    PAGEDSPEC_DISPATCH_CACHE_FORMAT(args.format, [&] {
+      auto p = make_attention_params<scalar_t, cache_t>(out, query, key_cache, value_cache,
+                                                        block_tables, seq_lens, cu_seqlens_q,
+                                                        scale, lse, attn_mass, args);
+      run_cpu<scalar_t, cache_t, kCacheFormat>(p, args, plan, workspace, query);
+    });
+  });
+}
+
+}  // namespace PAGEDSPEC_CPU_NAMESPACE
+}  // namespace pagedspec

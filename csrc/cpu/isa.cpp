@@ -1,0 +1,57 @@
+#include "cpu/isa.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <string>
+
+namespace pagedspec {
+
+const char* cpu_isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx512: return "avx512";
+    case CpuIsa::kAvx2: return "avx2";
+    default: return "baseline";
+  }
+}
+
+bool cpu_supports(CpuIsa isa) {
+#if defined(__x86_64__) || defined(__i386__)
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  switch (isa) {
+    case CpuIsa::kAvx512:
+      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    case CpuIsa::kAvx2: return avx2;
+    default: return true;
+  }
+#else
+  return isa == CpuIsa::kBaseline;
+#endif
+}
+
+CpuIsa best_cpu_isa() {
+  static const CpuIsa best = cpu_supports(CpuIsa::kAvx512) ? CpuIsa::kAvx512
+                             : cpu_supports(CpuIsa::kAvx2) ? CpuIsa::kAvx2
+                                                           : CpuIsa::kBaseline;
+  return best;
+}
+
+CpuIsa cpu_isa() {
+  const char* forced = std::getenv("PAGEDSPEC_CPU_ISA");
+  if (forced == nullptr || *forced == '\0') return best_cpu_isa();
+  const std::string name(forced);
+  for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (name == cpu_isa_name(isa)) {
+      TORCH_CHECK(cpu_supports(isa), "pagedspec: PAGEDSPEC_CPU_ISA=", name,
+                  " but this CPU lacks its instructions (best level here: ",
+                  cpu_isa_name(best_cpu_isa()), ")");
+      return isa;
+    }
+  }
+  TORCH_CHECK(false, "pagedspec: PAGEDSPEC_CPU_ISA must be baseline, avx2 or avx512, got '", name,
+              "'");
+}
+
+}  // namespace pagedspec

@@ -1,0 +1,312 @@
+// The CPU kernels' vector abstraction: 16-float vectors (vfloat) and their operations, the
+// vectorized exp2 of a softmax tile, cache elements decoded 16 at a time (CacheReader), and a
+// 16-way horizontal sum, for one ISA level: PAGEDSPEC_CPU_LEVEL 2 (AVX-512 F/BW/VL/DQ), 1 (AVX2 +
+// FMA + F16C) or 0 (baseline x86-64). A kernel source includes it once, after
+// `#pragma GCC target` has enabled the level's instructions (see cpu/isa.h): one source, built
+// once per level, each in its own namespace (PAGEDSPEC_CPU_NAMESPACE) with internal linkage.
+//
+// It includes nothing: every header it needs (<immintrin.h>, <type_traits>, cpu/cpu_types.h,
+// pagedspec/attention.h) is included before the pragma (cpu/attention_levels.h does), so that no
+// library code is compiled for the level's instructions (its inline functions are shared with the
+// other levels' objects and must run on every CPU).
+#pragma once
+
+#ifndef PAGEDSPEC_CPU_LEVEL
+#error "define PAGEDSPEC_CPU_LEVEL (0, 1 or 2) and PAGEDSPEC_CPU_NAMESPACE before cpu/vec.h"
+#endif
+
+namespace pagedspec {
+namespace PAGEDSPEC_CPU_NAMESPACE {
+namespace {
+
+// 16-float vectors: one AVX-512 register, two AVX2 registers, or (baseline) an array the compiler
+// vectorizes for SSE2. Every supported head size is a multiple of 16.
+constexpr int kLanes = 16;
+#if PAGEDSPEC_CPU_LEVEL == 2
+using vfloat = __m512;
+inline vfloat vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vfloat v) { _mm512_storeu_ps(p, v); }
+inline vfloat vzero() { return _mm512_setzero_ps(); }
+inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
+inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline float vsum(vfloat v) {
+  // Halves, quarters, pairs, lanes (GCC 12's _mm512_reduce_add_ps warns under -Wall).
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0x4E));
+  v = _mm512_add_ps(v, _mm512_permute_ps(v, 0xB1));
+  return _mm512_cvtss_f32(v);
+}
+#elif PAGEDSPEC_CPU_LEVEL == 1
+// Two 8-float AVX2 registers.
+struct vfloat {
+  __m256 lo, hi;
+};
+inline vfloat vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void vstore(float* p, vfloat v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline vfloat vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline vfloat vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline vfloat vadd(vfloat a, vfloat b) {
+  return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+}
+inline float vsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+inline float vsum(vfloat v) { return vsum8(_mm256_add_ps(v.lo, v.hi)); }
+#else
+struct vfloat {
+  float v[kLanes];
+};
+inline vfloat vload(const float* p) {
+  vfloat r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = p[i];
+  return r;
+}
+inline void vstore(float* p, vfloat x) {
+  for (int i = 0; i < kLanes; ++i) p[i] = x.v[i];
+}
+inline vfloat vset1(float x) {
+  vfloat r;
+  for (int i = 0; i < kLanes; ++i) r.v[i] = x;
+  return r;
+}
+inline vfloat vzero() { return vset1(0.0f); }
+inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
+  for (int i = 0; i < kLanes; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+inline vfloat vadd(vfloat a, vfloat b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline float vsum(vfloat x) {
+  for (int w = kLanes / 2; w > 0; w /= 2) {
+    for (int i = 0; i < w; ++i) x.v[i] += x.v[i + w];
+  }
+  return x.v[0];
+}
+#endif
+
+// w[i] = exp2(w[i] - max) for i < n (the softmax weights of a tile); returns their sum. Lanes
+// from n up to the next multiple of 16 are set to 0. The AVX-512 and AVX2 paths evaluate 2^x as
+// 2^round(x) * p(x - round(x)) with p the degree-7 Taylor polynomial of e^(f ln 2) on |f| <= 1/2
+// (truncation error < 6e-9, below float rounding); elsewhere it is the scalar softmax_exp2.
+inline float exp2_weights(float* w, int n, float max) {
+#if PAGEDSPEC_CPU_LEVEL == 2
+  constexpr float c[8] = {1.0f,          0.69314718f,   0.24022651f,  0.055504109f,
+                          0.0096181291f, 0.0013333558f, 1.5403530e-4f, 1.5252734e-5f};
+  __m512 total = _mm512_setzero_ps();
+  const __m512 vmax = _mm512_set1_ps(max);
+  for (int i = 0; i < n; i += kLanes) {
+    __m512 x = _mm512_sub_ps(_mm512_loadu_ps(w + i), vmax);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-150.0f));
+    const __m512 k = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, k);
+    __m512 p = _mm512_set1_ps(c[7]);
+    for (int j = 6; j >= 0; --j) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c[j]));
+    const __mmask16 live = n - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(live, _mm512_scalef_ps(p, k));
+    _mm512_storeu_ps(w + i, e);
+    total = _mm512_add_ps(total, e);
+  }
+  return vsum(total);
+#elif PAGEDSPEC_CPU_LEVEL == 1
+  // The same polynomial; 2^k from the exponent bits (k >= -126 after the clamp: weights below
+  // 2^-126 of the running max count as 2^-126, a difference far below float rounding of the sum).
+  constexpr float c[8] = {1.0f,          0.69314718f,   0.24022651f,  0.055504109f,
+                          0.0096181291f, 0.0013333558f, 1.5403530e-4f, 1.5252734e-5f};
+  __m256 total = _mm256_setzero_ps();
+  const __m256 vmax = _mm256_set1_ps(max);
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int i = 0; i < n; i += 8) {
+    __m256 x = _mm256_sub_ps(_mm256_loadu_ps(w + i), vmax);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    const __m256 k = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, k);
+    __m256 p = _mm256_set1_ps(c[7]);
+    for (int j = 6; j >= 0; --j) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c[j]));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k),
+                                                            _mm256_set1_epi32(127)), 23);
+    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - i), iota));
+    const __m256 e = _mm256_and_ps(live, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+    _mm256_storeu_ps(w + i, e);
+    total = _mm256_add_ps(total, e);
+  }
+  for (int i = (n + 7) / 8 * 8; i % kLanes != 0; ++i) w[i] = 0.0f;
+  return vsum8(total);
+#else
+  float sum = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    w[i] = softmax_exp2(w[i] - max);
+    sum += w[i];
+  }
+  for (int i = n; i % kLanes != 0; ++i) w[i] = 0.0f;
+  return sum;
+#endif
+}
+
+#if PAGEDSPEC_CPU_LEVEL == 1
+// Horizontal sums of 8 vectors at once: lane i of the result is the sum of v[i]'s lanes (two
+// levels of hadd pair up the inputs, one cross-lane add finishes): 9 operations for 8 sums.
+inline __m256 sum8(const __m256* v) {
+  const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+inline __m256 bf16x8_to_float(__m128i bits) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#endif
+
+// Reads 16 cache elements as floats, exactly as CacheCodec::decode(code, scale) (FP8) or
+// ScalarConvert (native) would. Baseline: FP8 codes are looked up in a per-head table of
+// CacheCodec::decode. AVX-512 and AVX2 (F16C): bf16 is a 16-bit shift and fp16 the hardware
+// conversion; an
+// e5m2 code is the top byte of the fp16 with the same value; an e4m3 code's 7 magnitude bits
+// shifted left by 7 (sign to bit 15) form the fp16 of value * 2^-8, subnormals included, so
+// fp16 -> float times (scale * 2^8) rounds exactly as value * scale does. The one e4m3 code
+// with no image there, NaN (S.1111.111), is patched in.
+template <typename CacheT, CacheFormat F>
+struct CacheReader {
+  float table[256];
+  float scale;
+
+  void init(float s) {
+    scale = s;
+    if constexpr (F != CacheFormat::kNative) {
+      for (int c = 0; c < 256; ++c) table[c] = CacheCodec<uint8_t, F>::decode(uint8_t(c), s);
+    }
+  }
+
+  vfloat load16(const CacheT* __restrict p) const {
+#if PAGEDSPEC_CPU_LEVEL == 2
+    if constexpr (std::is_same_v<CacheT, float>) {
+      return _mm512_loadu_ps(p);
+    } else if constexpr (std::is_same_v<CacheT, c10::BFloat16>) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    } else if constexpr (std::is_same_v<CacheT, c10::Half>) {
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    }
+    if constexpr (F == CacheFormat::kE5M2) {
+      const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(codes, 8)), _mm512_set1_ps(scale));
+    } else if constexpr (F == CacheFormat::kE4M3) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      const __m256i codes = _mm256_cvtepu8_epi16(raw);
+      const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x7F)), 7);
+      const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x80)), 8);
+      const __m512 value = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(magnitude, sign)),
+                                         _mm512_set1_ps(scale * 256.0f));
+      const __mmask16 nan =
+          _mm_cmpeq_epi8_mask(_mm_and_si128(raw, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
+      return _mm512_mask_mov_ps(value, nan, _mm512_set1_ps(__builtin_nanf("")));
+    }
+#elif PAGEDSPEC_CPU_LEVEL == 1
+    if constexpr (std::is_same_v<CacheT, float>) {
+      return vload(p);
+    } else if constexpr (std::is_same_v<CacheT, c10::BFloat16>) {
+      const __m128i* q = reinterpret_cast<const __m128i*>(p);
+      return {bf16x8_to_float(_mm_loadu_si128(q)), bf16x8_to_float(_mm_loadu_si128(q + 1))};
+    } else if constexpr (std::is_same_v<CacheT, c10::Half>) {
+      const __m128i* q = reinterpret_cast<const __m128i*>(p);
+      return {_mm256_cvtph_ps(_mm_loadu_si128(q)), _mm256_cvtph_ps(_mm_loadu_si128(q + 1))};
+    } else {
+      // FP8 through the same fp16 images as AVX-512 (F16C converts them).
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+      const __m256i codes = _mm256_cvtepu8_epi16(raw);
+      __m256i halves;
+      float factor = scale;
+      if constexpr (F == CacheFormat::kE5M2) {
+        halves = _mm256_slli_epi16(codes, 8);
+      } else {
+        halves = _mm256_or_si256(
+            _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x7F)), 7),
+            _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x80)), 8));
+        factor = scale * 256.0f;
+      }
+      const __m256 vf = _mm256_set1_ps(factor);
+      vfloat v{_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), vf),
+               _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)), vf)};
+      if constexpr (F == CacheFormat::kE4M3) {
+        // S.1111.111 is NaN in e4m3: 16-bit lanes whose magnitude is 0x7F, widened to 32 bits.
+        const __m256i is_nan = _mm256_cmpeq_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x7F)),
+                                                  _mm256_set1_epi16(0x7F));
+        const __m256 nan = _mm256_set1_ps(__builtin_nanf(""));
+        const __m256 lo = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(is_nan)));
+        const __m256 hi = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(is_nan, 1)));
+        v.lo = _mm256_blendv_ps(v.lo, nan, lo);
+        v.hi = _mm256_blendv_ps(v.hi, nan, hi);
+      }
+      return v;
+    }
+#endif
+    alignas(64) float tmp[kLanes];
+    if constexpr (F == CacheFormat::kNative) {
+      for (int i = 0; i < kLanes; ++i) tmp[i] = ScalarConvert<CacheT>::to_float(p[i]);
+    } else {
+      for (int i = 0; i < kLanes; ++i) tmp[i] = table[p[i]];
+    }
+    return vload(tmp);
+  }
+};
+
+#if PAGEDSPEC_CPU_LEVEL == 2
+// Horizontal sums of 16 vectors at once: lane i of the result is the sum of x[i]'s lanes. Each
+// level adds the two halves of every input's live lanes while packing two inputs into one
+// vector (16 -> 8 -> 4 -> 2 -> 1 live lanes per input): 30 permutes and 15 adds for 16 sums,
+// against 8 operations per sum for one reduction at a time.
+struct Sum16Tables {
+  alignas(64) int lo[4][16];
+  alignas(64) int hi[4][16];
+};
+
+constexpr Sum16Tables make_sum16_tables() {
+  Sum16Tables t{};
+  int live = 16;
+  for (int level = 0; level < 4; ++level) {
+    live /= 2;
+    const int per_operand = 16 / (2 * live);  // inputs each operand holds at this level
+    // Output lane j: input j / live of the pair (the first operand's, then the second's), its
+    // lane j % live plus the lane `live` above it.
+    for (int j = 0; j < 16; ++j) {
+      const int input = j / live;
+      const int src = (input % per_operand) * 2 * live + j % live + (input >= per_operand ? 16 : 0);
+      t.lo[level][j] = src;
+      t.hi[level][j] = src + live;
+    }
+  }
+  return t;
+}
+
+inline __m512 sum16(const __m512* x) {
+  static constexpr Sum16Tables kTables = make_sum16_tables();
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i) v[i] = x[i];
+  for (int level = 0, n = 16; n > 1; ++level, n /= 2) {
+    const __m512i lo = _mm512_load_si512(kTables.lo[level]);
+    const __m512i hi = _mm512_load_si512(kTables.hi[level]);
+    for (int i = 0; i < n / 2; ++i) {
+      v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], lo, v[2 * i + 1]),
+                           _mm512_permutex2var_ps(v[2 * i], hi, v[2 * i + 1]));
+    }
+  }
+  return v[0];
+}
+#endif
+
+}  // namespace
+}  // namespace PAGEDSPEC_CPU_NAMESPACE
+}  // namespace pagedspec

@@ -1,0 +1,79 @@
+"""Every CPU ISA level the kernels are built for and this CPU runs, forced in turn with
+PAGEDSPEC_CPU_ISA (so a level that is never the default here is still verified): the attention
+grid, FP8 decoding bit for bit, isolation and plans, against the reference. Levels this CPU lacks
+skip with a reason; forcing one is an error."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pagedspec
+from pagedspec import ops
+import test_attention
+from test_attention import FP8, GRID, VARIANTS, Case, _grid_id, check_case
+
+INFO = pagedspec.build_info()
+LEVELS = [pytest.param(level, marks=pytest.mark.skipif(
+    level not in INFO["cpu_isa_supported"], reason=f"this CPU lacks the {level} instructions"))
+    for level in INFO["cpu_isa_levels"]]
+
+
+@pytest.fixture(params=LEVELS)
+def level(request, monkeypatch):
+    monkeypatch.setenv("PAGEDSPEC_CPU_ISA", request.param)
+    assert pagedspec._C.cpu_isa() == request.param
+    return request.param
+
+
+def test_levels_are_reported():
+    assert INFO["cpu_isa_levels"] == ["baseline", "avx2", "avx512"]
+    assert "baseline" in INFO["cpu_isa_supported"]
+    assert INFO["cpu_isa"] == INFO["cpu_isa_supported"][-1], "the best level runs by default"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("row", GRID, ids=[_grid_id(r) for r in GRID])
+def test_attention_grid_at_every_level(gen, level, variant, row):
+    dtype, cache_dtype, head_size, block_size, (hq, hkv), q_lens, seq_lens = row
+    case = Case(gen, seq_lens=seq_lens, q_lens=q_lens, num_heads=hq, num_kv_heads=hkv,
+                head_size=head_size, block_size=block_size, dtype=dtype, cache_dtype=cache_dtype,
+                per_head_scale=(head_size % 32 == 0))
+    check_case(case, VARIANTS[variant], lse=True, mass=(variant == "v1"))
+
+
+@pytest.mark.parametrize("scale", [0.37, 3.0, 1e-3])
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_fp8_decoding_is_exact_at_every_level(level, cache_dtype, scale):
+    # Every FP8 code as the V of a one-position sequence: exactly stored * scale (NaN stays NaN).
+    test_attention.test_fp8_decode_is_exact("cpu", cache_dtype, scale)
+
+
+@pytest.mark.parametrize("partition_size", [-1, 256])
+def test_plans_and_isolation_at_every_level(gen, level, partition_size):
+    case = Case(gen, seq_lens=[1100, 37], q_lens=[5, 3], num_heads=8, num_kv_heads=2,
+                head_size=128, block_size=16, dtype=torch.bfloat16)
+    plan = ops.plan_paged_attention(case.seq_lens, case.cu_seqlens_q, 8, 2, 128, "cpu",
+                                    partition_size=partition_size)
+    clean = case.run(lambda o, *a: ops.paged_attention_run(o, *a[:8], plan.plan, plan.workspace,
+                                                            *a[8:]), lse=True)
+    check_case(case, lambda o, *a: ops.paged_attention_run(o, *a[:8], plan.plan, plan.workspace,
+                                                            *a[8:]), mass=True)
+    # A later draft token's V set to inf leaves the earlier tokens bit-identical.
+    slot = int(case.block_tables[0, 1099 // 16]) * 16 + 1099 % 16
+    case.value_cache.view(-1, 2, 128)[slot] = float("inf")
+    out, lse, _ = case.run(lambda o, *a: ops.paged_attention_run(o, *a[:8], plan.plan,
+                                                                 plan.workspace, *a[8:]), lse=True)
+    assert torch.equal(out[:4], clean[0][:4]) and torch.equal(lse[:4], clean[1][:4])
+
+
+def test_forcing_an_unknown_or_missing_level_is_an_error(gen, monkeypatch):
+    case = Case(gen, seq_lens=[10], q_lens=[1], num_heads=4, num_kv_heads=2, head_size=64,
+                block_size=8, dtype=torch.float32)
+    monkeypatch.setenv("PAGEDSPEC_CPU_ISA", "sse9")
+    with pytest.raises(RuntimeError, match="PAGEDSPEC_CPU_ISA must be baseline, avx2 or avx512"):
+        case.run(ops.paged_attention)
+    missing = [x for x in INFO["cpu_isa_levels"] if x not in INFO["cpu_isa_supported"]]
+    if missing:
+        monkeypatch.setenv("PAGEDSPEC_CPU_ISA", missing[0])
+        with pytest.raises(RuntimeError, match="lacks its instructions"):
+            case.run(ops.paged_attention)
