@@ -1,6 +1,7 @@
 """Every CPU ISA level the kernels are built for and this CPU runs, forced in turn with
 PAGEDSPEC_CPU_ISA (so a level that is never the default here is still verified): the attention
-grid, FP8 decoding bit for bit, isolation and plans, against the reference. Levels this CPU lacks
+grid, FP8 decoding bit for bit, isolation and plans, FP8 conversions and reshape_and_cache bit for
+bit, against the reference. Levels this CPU lacks
 skip with a reason; forcing one is an error."""
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch
 import pagedspec
 from pagedspec import ops
 import test_attention
+import test_cache
+import test_fp8
 from test_attention import FP8, GRID, VARIANTS, Case, _grid_id, check_case
 
 INFO = pagedspec.build_info()
@@ -25,10 +28,12 @@ def level(request, monkeypatch):
     return request.param
 
 
-def test_levels_are_reported():
+def test_levels_are_reported(monkeypatch):
     assert INFO["cpu_isa_levels"] == ["baseline", "avx2", "avx512"]
     assert "baseline" in INFO["cpu_isa_supported"]
-    assert INFO["cpu_isa"] == INFO["cpu_isa_supported"][-1], "the best level runs by default"
+    monkeypatch.delenv("PAGEDSPEC_CPU_ISA", raising=False)
+    assert pagedspec.build_info()["cpu_isa"] == INFO["cpu_isa_supported"][-1], \
+        "the best level runs by default"
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -46,6 +51,26 @@ def test_attention_grid_at_every_level(gen, level, variant, row):
 def test_fp8_decoding_is_exact_at_every_level(level, cache_dtype, scale):
     # Every FP8 code as the V of a one-position sequence: exactly stored * scale (NaN stays NaN).
     test_attention.test_fp8_decode_is_exact("cpu", cache_dtype, scale)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("wide", [torch.float32, torch.float16, torch.bfloat16])
+def test_fp8_conversions_at_every_level(gen, level, fp8, wide):
+    # Bit for bit against the reference: quantization of random and of every 16-bit input, and
+    # dequantization of every code (per head and per tensor).
+    for per_head in (False, True):
+        test_fp8.test_quantize_matches_reference_bitwise("cpu", fp8, wide, per_head, gen)
+        test_fp8.test_dequantize_every_code("cpu", fp8, wide, per_head, gen)
+    if wide != torch.float32:
+        test_fp8.test_quantize_every_16bit_input("cpu", fp8, wide)
+
+
+@pytest.mark.parametrize("in_dtype, cache_dtype", test_cache.DTYPE_PAIRS)
+@pytest.mark.parametrize("geometry", test_cache.GEOMETRIES)
+def test_reshape_and_cache_at_every_level(gen, level, in_dtype, cache_dtype, geometry):
+    for scale_kind in ("tensor", "head"):
+        test_cache.test_reshape_and_cache_matches_reference("cpu", in_dtype, cache_dtype,
+                                                            geometry, scale_kind, gen)
 
 
 @pytest.mark.parametrize("partition_size", [-1, 256])

@@ -10,7 +10,7 @@ vLLM's CPU cache (as its CPU attention backend allocates it): one tensor
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` per layer, viewed as
 ``[num_blocks, num_kv_heads, 2 * block_size, head_size]`` and split in two along dim 2, so each
 (block, KV head) holds its block_size K rows and then its block_size V rows (head-major block
-interiors). FP8 caches are uint8 holding e4m3 bytes (kv_cache_dtype ``fp8_e4m3``, a per-tensor
+interiors; its AMX kernels pack pairs of rows further). FP8 caches are uint8 holding e4m3 bytes (kv_cache_dtype ``fp8_e4m3``, a per-tensor
 float scale). The kernel ISA is chosen as the backend chooses it (``_get_attn_isa`` where
 vllm.v1.attention.backends.cpu_attn imports, else the same rule: AMX for bf16 with a block size
 that is a multiple of 32 on AMX machines, ``vec`` for other multiples of 32, ``vec16`` otherwise).
@@ -18,8 +18,7 @@ The scheduler metadata (``get_scheduler_metadata``, KV split on as by default) i
 thread count, untimed, as the backend builds it once per step for all layers; its build time is
 reported separately.
 
-With ``--outputs`` it writes vLLM's outputs to ``<out-dir>`` (plus, for FP8, whether its cache
-holds exactly pagedspec's bytes) without timing; otherwise it times and prints one JSON line per
+With ``--outputs`` it writes vLLM's outputs to ``<out-dir>`` without timing; otherwise it times and prints one JSON line per
 (case, thread count).
 """
 from __future__ import annotations
@@ -110,7 +109,7 @@ class VllmCase:
         kv = self.kv_cache.view(num_blocks, hkv, 2 * block_size, d)
         self.key_cache, self.value_cache = kv.chunk(2, dim=2)
 
-        key, value, positions, ps_slots = token_rows(data)
+        key, value, positions, _ = token_rows(data)
         seq_of_token = torch.repeat_interleave(torch.arange(batch), self.seq_lens.long())
         slot_mapping = (self.block_table.long()[seq_of_token, positions // block_size]
                         * block_size + positions % block_size)
@@ -120,15 +119,6 @@ class VllmCase:
                                       slot_mapping, self.isa, self.k_scale, self.v_scale,
                                       self.kv_cache_dtype)
         self.reshape_s = time.perf_counter() - t0
-        self.fp8_bytes_mismatch = None
-        if self.fp8:  # vLLM quantized the (exactly representable) rows: same bytes as pagedspec?
-            blk, off = slot_mapping // block_size, slot_mapping % block_size
-            mismatch = 0
-            for mine, theirs in ((self.key_cache, data["key_cache"]),
-                                 (self.value_cache, data["value_cache"])):
-                theirs = theirs.view(torch.uint8).view(-1, hkv, d)[ps_slots]
-                mismatch += int((mine[blk, :, off] != theirs).sum())
-            self.fp8_bytes_mismatch = mismatch
         self.output = torch.empty_like(self.query)
         self.metadata = None
 
@@ -182,8 +172,7 @@ def main(argv=None) -> int:
                 run()
                 torch.save(run.output, os.path.join(out_dir, f"vllm{bs}_{key}.pt"))
                 info[f"vllm{bs}"] = {"isa": run.isa, "isa_from": run.isa_from,
-                                     "reshape_and_cache_s": run.reshape_s,
-                                     "fp8_bytes_mismatch": run.fp8_bytes_mismatch}
+                                     "reshape_and_cache_s": run.reshape_s}
             common.emit({**base, "outputs": info})
             continue
         nbytes = common.bytes_moved(case)

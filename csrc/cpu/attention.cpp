@@ -11,8 +11,7 @@
 #include <vector>
 
 #include "attention_checks.h"
-#include "cpu/attention_levels.h"
-#include "cpu/isa.h"
+#include "cpu/kernel_levels.h"
 #include "pagedspec/attention.h"
 #include "pagedspec/attention_plan.h"
 
@@ -50,14 +49,9 @@ void run_planned(const char* op, at::Tensor& out, const at::Tensor& query,
                  const at::Tensor& cu_seqlens_q, double scale,
                  const c10::optional<at::Tensor>& lse, const c10::optional<at::Tensor>& attn_mass,
                  const AttentionArgs& args, const PlanView& plan, float* workspace) {
-  auto* kernel = &cpu_baseline::run_planned_attention;
-  switch (cpu_isa()) {
-    case CpuIsa::kAvx512: kernel = &cpu_avx512::run_planned_attention; break;
-    case CpuIsa::kAvx2: kernel = &cpu_avx2::run_planned_attention; break;
-    case CpuIsa::kBaseline: break;
-  }
-  kernel(op, out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-         lse, attn_mass, args, plan, workspace);
+  PAGEDSPEC_CPU_CALL(run_planned_attention, op, out, query, key_cache, value_cache,
+                     block_tables, seq_lens, cu_seqlens_q, scale, lse, attn_mass, args, plan,
+                     workspace);
 }
 
 void paged_attention_cpu_impl(const char* op, Variant variant, at::Tensor& out,

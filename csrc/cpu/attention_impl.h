@@ -1,5 +1,5 @@
 // The CPU paged-attention kernel, one source built once per ISA level (cpu/isa.h): included only
-// by cpu/attention_<level>.cpp, after cpu/attention_levels.h (every header) and the level's
+// by cpu/kernels_<level>.cpp, after cpu/kernel_levels.h (every header) and the level's
 // `#pragma GCC target`, with PAGEDSPEC_CPU_LEVEL and PAGEDSPEC_CPU_NAMESPACE defined.
 //
 // A task is (sequence, KV head, chunk of query rows, range of positions). Its query rows are all

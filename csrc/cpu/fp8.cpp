@@ -1,63 +1,22 @@
-// CPU kernels for quantize_fp8 / dequantize_fp8 (the same conversion the FP8 caches use).
+// CPU kernels for quantize_fp8 / dequantize_fp8 (the same conversion the FP8 caches use): the
+// checks here, the conversion loops built per ISA level (cpu/fp8_impl.h).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "cpu/cpu_types.h"
+#include "cpu/kernel_levels.h"
 #include "fp8_checks.h"
 
 namespace pagedspec {
 namespace {
 
-// Over rows of head_size elements, so the scale is constant along the vectorized inner loop:
-// row r uses the scale of head r % num_heads (num_heads is 1 for a per-tensor scale).
-template <typename SrcT, typename DstT, typename Fn>
-void fp8_convert_cpu_impl(const Fp8ConvertParams<SrcT, DstT>& p, Fn convert) {
-  const int64_t rows = p.head_size ? p.numel / p.head_size : 0;
-  at::parallel_for(0, rows, 4096 / std::max<int64_t>(p.head_size, 1) + 1,
-                   [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float scale = p.scale.at(static_cast<int>(r % p.num_heads));
-      const SrcT* in = p.input + r * p.head_size;
-      DstT* out = p.out + r * p.head_size;
-#pragma omp simd
-      for (int64_t d = 0; d < p.head_size; ++d) out[d] = convert(in[d], scale);
-    }
-  });
-}
-
-template <typename SrcT, typename DstT>
-Fp8ConvertParams<SrcT, DstT> make_params(const at::Tensor& out, const at::Tensor& input,
-                                         const Fp8ConvertArgs& args) {
-  return Fp8ConvertParams<SrcT, DstT>{static_cast<const SrcT*>(input.const_data_ptr()),
-                                      static_cast<DstT*>(out.data_ptr()), args.scale, args.numel,
-                                      args.head_size, args.num_heads};
-}
-
 void quantize_fp8_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& scale) {
   const auto args = check_fp8_convert("quantize_fp8", out, input, scale, /*quantize=*/true);
-  PAGEDSPEC_DISPATCH_ACTIVATION(input.scalar_type(), "quantize_fp8", "input", [&] {
-    PAGEDSPEC_DISPATCH_FP8_FORMAT(args.format, [&] {
-      fp8_convert_cpu_impl(make_params<scalar_t, uint8_t>(out, input, args),
-                           [](scalar_t x, float s) {
-                             return CacheCodec<uint8_t, kFp8Format>::encode(
-                                 ScalarConvert<scalar_t>::to_float(x), s);
-                           });
-    });
-  });
+  PAGEDSPEC_CPU_CALL(quantize_fp8, out, input, args);
 }
 
 void dequantize_fp8_cpu(at::Tensor& out, const at::Tensor& input, const at::Tensor& scale) {
   const auto args = check_fp8_convert("dequantize_fp8", out, input, scale, /*quantize=*/false);
-  PAGEDSPEC_DISPATCH_ACTIVATION(out.scalar_type(), "dequantize_fp8", "out", [&] {
-    PAGEDSPEC_DISPATCH_FP8_FORMAT(args.format, [&] {
-      fp8_convert_cpu_impl(make_params<uint8_t, scalar_t>(out, input, args),
-                           [](uint8_t c, float s) {
-                             return ScalarConvert<scalar_t>::from_float(
-                                 CacheCodec<uint8_t, kFp8Format>::decode(c, s));
-                           });
-    });
-  });
+  PAGEDSPEC_CPU_CALL(dequantize_fp8, out, input, args);
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // The x86 ISA levels the CPU kernels are built for, and the one they run at.
 //
-// A kernel source is compiled once per level (cpu/attention_<level>.cpp: the same source after
+// A kernel source is compiled once per level (cpu/kernels_<level>.cpp: the same source after
 // `#pragma GCC target`, in its own namespace), and the launcher calls the level cpu_isa() names:
 // the best the CPU supports, or the one PAGEDSPEC_CPU_ISA forces (baseline, avx2, avx512; read at
 // every call, so tests can run each level in turn). Forcing a level the CPU lacks is an error.

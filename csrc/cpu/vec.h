@@ -6,7 +6,7 @@
 // once per level, each in its own namespace (PAGEDSPEC_CPU_NAMESPACE) with internal linkage.
 //
 // It includes nothing: every header it needs (<immintrin.h>, <type_traits>, cpu/cpu_types.h,
-// pagedspec/attention.h) is included before the pragma (cpu/attention_levels.h does), so that no
+// pagedspec/attention.h) is included before the pragma (cpu/kernel_levels.h does), so that no
 // library code is compiled for the level's instructions (its inline functions are shared with the
 // other levels' objects and must run on every CPU).
 #pragma once

@@ -1,5 +1,6 @@
-// The CPU attention kernel built for AVX-512 CPUs: cpu/attention_impl.h with AVX-512 F/BW/VL/DQ (and AVX2, FMA, F16C) enabled.
-#include "cpu/attention_levels.h"
+// The CPU kernels (attention, reshape_and_cache, FP8 conversion) built for
+// AVX-512 CPUs: AVX-512 F/BW/VL/DQ (and AVX2, FMA, F16C) enabled.
+#include "cpu/kernel_levels.h"
 // GCC 12's AVX-512 intrinsics build their pass-through operand with _mm512_undefined_ps()
 // (`__m512 __Y = __Y;`), which -Wall reports as uninitialized at every inlined use.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -8,3 +9,5 @@
 #define PAGEDSPEC_CPU_LEVEL 2
 #define PAGEDSPEC_CPU_NAMESPACE cpu_avx512
 #include "cpu/attention_impl.h"
+#include "cpu/cache_impl.h"
+#include "cpu/fp8_impl.h"

@@ -1,0 +1,9 @@
+// The CPU kernels (attention, reshape_and_cache, FP8 conversion) built for
+// any x86-64 CPU (the baseline level): no extra instructions (SSE2).
+#include "cpu/kernel_levels.h"
+
+#define PAGEDSPEC_CPU_LEVEL 0
+#define PAGEDSPEC_CPU_NAMESPACE cpu_baseline
+#include "cpu/attention_impl.h"
+#include "cpu/cache_impl.h"
+#include "cpu/fp8_impl.h"
