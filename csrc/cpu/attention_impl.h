@@ -27,7 +27,9 @@ namespace {
 constexpr int kTile = 32;      // positions decoded and scored together
 constexpr int kMaxRows = kCpuAttentionRows;  // query rows (tokens x heads of a group) per task
 constexpr int kMassTile = 256; // positions per attn_mass task
-constexpr int kScoreTokens = 4; // key rows per score block (with 4 query rows: 16 dot products)
+// Key rows per score block: with 4 query rows, 16 (AVX-512, baseline) or 8 (AVX2: 16 registers)
+// accumulators.
+constexpr int kScoreTokens = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 4;
 
 // out[r * NT + t] = q[r] . k[t] for NR query rows (stride D) and NT key rows read straight from
 // the cache: each key vector is decoded once for all NR rows, each query vector loaded once for
@@ -35,16 +37,16 @@ constexpr int kScoreTokens = 4; // key rows per score block (with 4 query rows: 
 template <int NR, int NT, typename CacheT, CacheFormat F>
 inline void score_block(const float* __restrict q, const CacheT* const* k,
                         const CacheReader<CacheT, F>& reader, int D, float* out) {
-  vfloat acc[NR][NT];
+  rvec acc[NR][NT];
   for (int r = 0; r < NR; ++r) {
-    for (int t = 0; t < NT; ++t) acc[r][t] = vzero();
+    for (int t = 0; t < NT; ++t) acc[r][t] = rzero();
   }
-  for (int d = 0; d < D; d += kLanes) {
-    vfloat kv[NT];
-    for (int t = 0; t < NT; ++t) kv[t] = reader.load16(k[t] + d);
+  for (int d = 0; d < D; d += kRegLanes) {
+    rvec kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = load_reg(reader, k[t] + d);
     for (int r = 0; r < NR; ++r) {
-      const vfloat qv = vload(q + r * D + d);
-      for (int t = 0; t < NT; ++t) acc[r][t] = vfma(qv, kv[t], acc[r][t]);
+      const rvec qv = rload(q + r * D + d);
+      for (int t = 0; t < NT; ++t) acc[r][t] = rfma(qv, kv[t], acc[r][t]);
     }
   }
 #if PAGEDSPEC_CPU_LEVEL == 2
@@ -53,17 +55,13 @@ inline void score_block(const float* __restrict q, const CacheT* const* k,
     return;
   }
 #elif PAGEDSPEC_CPU_LEVEL == 1
-  if constexpr (NR * NT % 8 == 0) {
-    __m256 halves[NR * NT];
-    for (int i = 0; i < NR * NT; ++i) {
-      halves[i] = _mm256_add_ps(acc[i / NT][i % NT].lo, acc[i / NT][i % NT].hi);
-    }
-    for (int i = 0; i < NR * NT; i += 8) _mm256_storeu_ps(out + i, sum8(halves + i));
+  if constexpr (NR * NT == 8) {
+    _mm256_storeu_ps(out, sum8(&acc[0][0]));
     return;
   }
 #endif
   for (int r = 0; r < NR; ++r) {
-    for (int t = 0; t < NT; ++t) out[r * NT + t] = vsum(acc[r][t]);
+    for (int t = 0; t < NT; ++t) out[r * NT + t] = rsum(acc[r][t]);
   }
 }
 
@@ -74,28 +72,28 @@ template <int NR, typename CacheT, CacheFormat F>
 inline void accumulate_block(float* __restrict acc, const float* __restrict w,
                              const CacheT* const* v, const CacheReader<CacheT, F>& reader, int n,
                              int D, int w_stride) {
-  for (int d = 0; d < D; d += kLanes) {
+  for (int d = 0; d < D; d += kRegLanes) {
     // Two accumulators per row (even and odd positions) so that, with few rows, the FMA latency
     // chains are not what limits the loop.
-    vfloat a[NR], b[NR];
+    rvec a[NR], b[NR];
     for (int r = 0; r < NR; ++r) {
-      a[r] = vload(acc + r * D + d);
-      b[r] = vzero();
+      a[r] = rload(acc + r * D + d);
+      b[r] = rzero();
     }
     int t = 0;
     for (; t + 2 <= n; t += 2) {
-      const vfloat v0 = reader.load16(v[t] + d);
-      const vfloat v1 = reader.load16(v[t + 1] + d);
+      const rvec v0 = load_reg(reader, v[t] + d);
+      const rvec v1 = load_reg(reader, v[t + 1] + d);
       for (int r = 0; r < NR; ++r) {
-        a[r] = vfma(vset1(w[r * w_stride + t]), v0, a[r]);
-        b[r] = vfma(vset1(w[r * w_stride + t + 1]), v1, b[r]);
+        a[r] = rfma(rset1(w[r * w_stride + t]), v0, a[r]);
+        b[r] = rfma(rset1(w[r * w_stride + t + 1]), v1, b[r]);
       }
     }
     if (t < n) {
-      const vfloat v0 = reader.load16(v[t] + d);
-      for (int r = 0; r < NR; ++r) a[r] = vfma(vset1(w[r * w_stride + t]), v0, a[r]);
+      const rvec v0 = load_reg(reader, v[t] + d);
+      for (int r = 0; r < NR; ++r) a[r] = rfma(rset1(w[r * w_stride + t]), v0, a[r]);
     }
-    for (int r = 0; r < NR; ++r) vstore(acc + r * D + d, vadd(a[r], b[r]));
+    for (int r = 0; r < NR; ++r) rstore(acc + r * D + d, radd(a[r], b[r]));
   }
 }
 

@@ -253,6 +253,37 @@ struct CacheReader {
       return v;
     }
 #endif
+    return load_fallback(p);
+  }
+
+#if PAGEDSPEC_CPU_LEVEL == 1
+  // 8 elements as one AVX2 register (the kernels' register-blocked loops run on these).
+  __m256 load8(const CacheT* __restrict p) const {
+    if constexpr (std::is_same_v<CacheT, float>) {
+      return _mm256_loadu_ps(p);
+    } else if constexpr (std::is_same_v<CacheT, c10::BFloat16>) {
+      return bf16x8_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    } else if constexpr (std::is_same_v<CacheT, c10::Half>) {
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    } else {
+      const __m128i codes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      if constexpr (F == CacheFormat::kE5M2) {
+        return _mm256_mul_ps(_mm256_cvtph_ps(_mm_slli_epi16(codes, 8)), _mm256_set1_ps(scale));
+      } else {
+        const __m128i halves =
+            _mm_or_si128(_mm_slli_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x7F)), 7),
+                         _mm_slli_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x80)), 8));
+        const __m256 value = _mm256_mul_ps(_mm256_cvtph_ps(halves), _mm256_set1_ps(scale * 256.0f));
+        const __m128i is_nan = _mm_cmpeq_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x7F)),
+                                               _mm_set1_epi16(0x7F));
+        return _mm256_blendv_ps(value, _mm256_set1_ps(__builtin_nanf("")),
+                                _mm256_castsi256_ps(_mm256_cvtepi16_epi32(is_nan)));
+      }
+    }
+  }
+#endif
+
+  vfloat load_fallback(const CacheT* __restrict p) const {
     alignas(64) float tmp[kLanes];
     if constexpr (F == CacheFormat::kNative) {
       for (int i = 0; i < kLanes; ++i) tmp[i] = ScalarConvert<CacheT>::to_float(p[i]);
@@ -305,6 +336,35 @@ inline __m512 sum16(const __m512* x) {
   }
   return v[0];
 }
+#endif
+
+// The register vector the blocked score and accumulate loops run on (as many lanes as one
+// register holds, so a 4 x 4 or 4 x 2 block of accumulators fits the register file): kRegLanes
+// floats, rload/rfma/... as the vfloat operations, CacheReader::load_reg.
+#if PAGEDSPEC_CPU_LEVEL == 1
+constexpr int kRegLanes = 8;
+using rvec = __m256;
+inline rvec rload(const float* p) { return _mm256_loadu_ps(p); }
+inline void rstore(float* p, rvec v) { _mm256_storeu_ps(p, v); }
+inline rvec rzero() { return _mm256_setzero_ps(); }
+inline rvec rset1(float x) { return _mm256_set1_ps(x); }
+inline rvec rfma(rvec a, rvec b, rvec c) { return _mm256_fmadd_ps(a, b, c); }
+inline rvec radd(rvec a, rvec b) { return _mm256_add_ps(a, b); }
+inline float rsum(rvec v) { return vsum8(v); }
+template <typename Reader, typename CacheT>
+inline rvec load_reg(const Reader& reader, const CacheT* p) { return reader.load8(p); }
+#else
+constexpr int kRegLanes = kLanes;
+using rvec = vfloat;
+inline rvec rload(const float* p) { return vload(p); }
+inline void rstore(float* p, rvec v) { vstore(p, v); }
+inline rvec rzero() { return vzero(); }
+inline rvec rset1(float x) { return vset1(x); }
+inline rvec rfma(rvec a, rvec b, rvec c) { return vfma(a, b, c); }
+inline rvec radd(rvec a, rvec b) { return vadd(a, b); }
+inline float rsum(rvec v) { return vsum(v); }
+template <typename Reader, typename CacheT>
+inline rvec load_reg(const Reader& reader, const CacheT* p) { return reader.load16(p); }
 #endif
 
 }  // namespace
