@@ -325,9 +325,6 @@ class LLM:
                  prompt_lookup_max: int = 3, prompt_lookup_min: int = 1,
                  kv_eviction: str = "none", kv_budget: Optional[int] = None,
                  kv_sink_tokens: int = 4, kv_recent_tokens: Optional[int] = None):
-        self.kv_policy = KVEvictionPolicy(kv_eviction, kv_budget, kv_sink_tokens,
-                                          kv_recent_tokens)
-        self.kv_policy.check(block_size if block_size in (8, 16, 32, 64) else 16, "LLM: kv_budget")
         self.checkpoint: Checkpoint = load_checkpoint(model)
         cfg = self.checkpoint.config
         self.device = self._device(device)
@@ -335,6 +332,9 @@ class LLM:
         cache_dtype = self._kv_dtype(kv_cache_dtype)
         if block_size not in (8, 16, 32, 64):
             raise ValueError(f"LLM: block_size must be 8, 16, 32 or 64, got {block_size}")
+        self.kv_policy = KVEvictionPolicy(kv_eviction, kv_budget, kv_sink_tokens,
+                                          kv_recent_tokens)
+        self.kv_policy.check(block_size, "LLM: kv_budget")
         if max_model_len is None:
             max_model_len = cfg.max_position
         if not isinstance(max_model_len, int) or not 2 <= max_model_len <= cfg.max_position:
