@@ -131,6 +131,8 @@ struct RowInfo {
 
 template <typename QT, typename CacheT, CacheFormat F>
 class CpuPagedAttention {
+  using Reader = CacheReader<CacheT, F>;
+
  public:
   explicit CpuPagedAttention(const PagedAttentionParams<QT, CacheT>& p) : p_(p) {}
 
@@ -158,10 +160,19 @@ class CpuPagedAttention {
           rows(kMaxRows), state(kMaxRows), visible(kMaxRows) {}
   };
 
-  // Loads the task's query rows, scaled into the log2 domain.
+  // The factor an FP8 cache's images are read with (scale x CacheReader::kImage; 1 for a
+  // native cache): folded into the query for K, into the output for V.
+  float k_factor(int kv_head) const {
+    return F == CacheFormat::kNative ? 1.0f : p_.k_scale.at(kv_head) * Reader::kImage;
+  }
+  float v_factor(int kv_head) const {
+    return F == CacheFormat::kNative ? 1.0f : p_.v_scale.at(kv_head) * Reader::kImage;
+  }
+
+  // Loads the task's query rows, scaled into the log2 domain (and by the K factor).
   void load_queries(const Task& task, Workspace& ws) const {
     const int D = p_.head_size;
-    const float q_scale = p_.scale * kLog2e;
+    const float q_scale = p_.scale * kLog2e * k_factor(task.kv_head);
     for (int r = 0; r < task.num_rows; ++r) {
       const RowInfo info = row_info(task.seq, task.kv_head, task.row_begin + r);
       ws.rows[r] = info;
@@ -245,8 +256,8 @@ class CpuPagedAttention {
     const int D = p_.head_size;
     const int R = task.num_rows;
     load_queries(task, ws);
-    ws.kreader.init(p_.k_scale.at(task.kv_head));
-    ws.vreader.init(p_.v_scale.at(task.kv_head));
+    ws.kreader.init();
+    ws.vreader.init();
     std::fill(ws.acc.begin(), ws.acc.begin() + size_t(R) * D, 0.0f);
     std::fill(ws.state.begin(), ws.state.begin() + R, SoftmaxState::empty());
     // Rows are in query-token order, so the last row sees the furthest.
@@ -303,7 +314,7 @@ class CpuPagedAttention {
     for (int r = 0; r < task.num_rows; ++r) {
       const RowInfo& info = ws.rows[r];
       const SoftmaxState& st = ws.state[r];
-      const float inv = st.sum > 0.0f ? 1.0f / st.sum : 0.0f;
+      const float inv = st.sum > 0.0f ? v_factor(task.kv_head) / st.sum : 0.0f;
       const float* acc = ws.acc.data() + size_t(r) * D;
       QT* dst = p_.out + int64_t(info.token) * p_.out_token_stride +
                 int64_t(info.head) * p_.out_head_stride;
@@ -324,7 +335,11 @@ class CpuPagedAttention {
           (base + int64_t(info.token - first) * parts + task.partition) * p_.num_heads + info.head;
       p_.part_max[idx] = ws.state[r].max;
       p_.part_sum[idx] = ws.state[r].sum;
-      std::copy_n(ws.acc.data() + size_t(r) * D, D, p_.part_acc + idx * D);
+      const float* acc = ws.acc.data() + size_t(r) * D;
+      float* part = p_.part_acc + idx * D;
+      const float factor = v_factor(task.kv_head);   // partials carry the V factor, as on CUDA
+#pragma omp simd
+      for (int d = 0; d < D; ++d) part[d] = acc[d] * factor;
     }
   }
 
@@ -370,7 +385,7 @@ class CpuPagedAttention {
         const int n_pos = span.pos_end - span.pos_begin;
         std::fill(mass.begin(), mass.begin() + n_pos, 0.0f);
         for (int kv_head = 0; kv_head < p_.num_kv_heads; ++kv_head) {
-          ws.kreader.init(p_.k_scale.at(kv_head));
+          ws.kreader.init();
           for (int row0 = 0; row0 < q_len * G; row0 += kMaxRows) {
             const Task task{span.seq, kv_head, row0, std::min(kMaxRows, q_len * G - row0),
                             span.pos_begin, span.pos_end, 0};

@@ -170,23 +170,25 @@ inline __m256 bf16x8_to_float(__m128i bits) {
 }
 #endif
 
-// Reads 16 cache elements as floats, exactly as CacheCodec::decode(code, scale) (FP8) or
-// ScalarConvert (native) would. Baseline: FP8 codes are looked up in a per-head table of
-// CacheCodec::decode. AVX-512 and AVX2 (F16C): bf16 is a 16-bit shift and fp16 the hardware
-// conversion; an
-// e5m2 code is the top byte of the fp16 with the same value; an e4m3 code's 7 magnitude bits
-// shifted left by 7 (sign to bit 15) form the fp16 of value * 2^-8, subnormals included, so
-// fp16 -> float times (scale * 2^8) rounds exactly as value * scale does. The one e4m3 code
-// with no image there, NaN (S.1111.111), is patched in.
+// Reads 16 cache elements as floats: native elements as ScalarConvert would, FP8 codes as their
+// unscaled "images" CacheCodec::decode(code, 1) / kImage, with no multiply in the loop: the
+// kernel folds scale * kImage into the query (K) and into the output (V), and image x
+// (scale * kImage) rounds exactly as decode(code, scale) does (both factors are exact powers
+// of two apart). Baseline: FP8 images are looked up in a table. AVX-512 and AVX2 (F16C): bf16 is
+// a 16-bit shift and fp16 the hardware conversion; an e5m2 code is the top byte of the fp16 with
+// the same value (kImage 1); an e4m3 code's 7 magnitude bits shifted left by 7 (sign to bit 15)
+// form the fp16 of value * 2^-8, subnormals included (kImage 256). The one e4m3 code with no
+// image there, NaN (S.1111.111), is patched in.
 template <typename CacheT, CacheFormat F>
 struct CacheReader {
+  static constexpr float kImage = F == CacheFormat::kE4M3 ? 256.0f : 1.0f;
   float table[256];
-  float scale;
 
-  void init(float s) {
-    scale = s;
+  void init() {
     if constexpr (F != CacheFormat::kNative) {
-      for (int c = 0; c < 256; ++c) table[c] = CacheCodec<uint8_t, F>::decode(uint8_t(c), s);
+      for (int c = 0; c < 256; ++c) {
+        table[c] = CacheCodec<uint8_t, F>::decode(uint8_t(c), 1.0f) / kImage;
+      }
     }
   }
 
@@ -202,14 +204,13 @@ struct CacheReader {
     }
     if constexpr (F == CacheFormat::kE5M2) {
       const __m256i codes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      return _mm512_mul_ps(_mm512_cvtph_ps(_mm256_slli_epi16(codes, 8)), _mm512_set1_ps(scale));
+      return _mm512_cvtph_ps(_mm256_slli_epi16(codes, 8));
     } else if constexpr (F == CacheFormat::kE4M3) {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
       const __m256i codes = _mm256_cvtepu8_epi16(raw);
       const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x7F)), 7);
       const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x80)), 8);
-      const __m512 value = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_or_si256(magnitude, sign)),
-                                         _mm512_set1_ps(scale * 256.0f));
+      const __m512 value = _mm512_cvtph_ps(_mm256_or_si256(magnitude, sign));
       const __mmask16 nan =
           _mm_cmpeq_epi8_mask(_mm_and_si128(raw, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
       return _mm512_mask_mov_ps(value, nan, _mm512_set1_ps(__builtin_nanf("")));
@@ -228,18 +229,15 @@ struct CacheReader {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
       const __m256i codes = _mm256_cvtepu8_epi16(raw);
       __m256i halves;
-      float factor = scale;
       if constexpr (F == CacheFormat::kE5M2) {
         halves = _mm256_slli_epi16(codes, 8);
       } else {
         halves = _mm256_or_si256(
             _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x7F)), 7),
             _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x80)), 8));
-        factor = scale * 256.0f;
       }
-      const __m256 vf = _mm256_set1_ps(factor);
-      vfloat v{_mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), vf),
-               _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)), vf)};
+      vfloat v{_mm256_cvtph_ps(_mm256_castsi256_si128(halves)),
+               _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1))};
       if constexpr (F == CacheFormat::kE4M3) {
         // S.1111.111 is NaN in e4m3: 16-bit lanes whose magnitude is 0x7F, widened to 32 bits.
         const __m256i is_nan = _mm256_cmpeq_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x7F)),
@@ -268,12 +266,12 @@ struct CacheReader {
     } else {
       const __m128i codes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
       if constexpr (F == CacheFormat::kE5M2) {
-        return _mm256_mul_ps(_mm256_cvtph_ps(_mm_slli_epi16(codes, 8)), _mm256_set1_ps(scale));
+        return _mm256_cvtph_ps(_mm_slli_epi16(codes, 8));
       } else {
         const __m128i halves =
             _mm_or_si128(_mm_slli_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x7F)), 7),
                          _mm_slli_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x80)), 8));
-        const __m256 value = _mm256_mul_ps(_mm256_cvtph_ps(halves), _mm256_set1_ps(scale * 256.0f));
+        const __m256 value = _mm256_cvtph_ps(halves);
         const __m128i is_nan = _mm_cmpeq_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x7F)),
                                                _mm_set1_epi16(0x7F));
         return _mm256_blendv_ps(value, _mm256_set1_ps(__builtin_nanf("")),
