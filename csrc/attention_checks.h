@@ -100,10 +100,10 @@ struct AttentionArgs {
     while ((int64_t(1) << shift) < block_size) ++shift;
     return shift;
   }
-  // Longest context the block table can describe: the host-side bound used to size the v2
-  // scratch buffers and by the dispatcher (the real seq_lens live on the device). The v2 scratch
-  // is num_tokens x num_heads x max_partitions() x head_size floats, so tables padded far past
-  // the real lengths cost memory there.
+  // Longest context the block table can describe: the host-side bound the CUDA grid launches
+  // (v2, the dispatcher, attn_mass) size by, since the real seq_lens live on the device. Their
+  // scratch is num_tokens x max_partitions() partial rows, so tables padded far past the real
+  // lengths cost memory there (paged_attention_run sizes by the plan instead).
   int64_t max_context() const { return max_blocks_per_seq * block_size; }
   int64_t max_partitions() const {
     return std::max<int64_t>(1, (max_context() + kPartitionSize - 1) / kPartitionSize);
@@ -244,6 +244,21 @@ inline AttentionArgs check_attention(const char* op, const at::Tensor& out,
   return args;
 }
 
+// cu_seqlens_q never decreases (checked over the whole tensor first: a decreasing step is a
+// cu_seqlens_q error even when it also makes some q_len look too long), and every sequence's KV
+// length holds its query tokens. Host memory; shared by the attention ops and the planner.
+inline void check_query_ranges(const char* op, int64_t num_seqs, const int* lens, const int* cu) {
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    TORCH_CHECK(cu[i + 1] >= cu[i], "pagedspec.", op, ": cu_seqlens_q must be non-decreasing, got ",
+                "cu_seqlens_q[", i, "] = ", cu[i], " > cu_seqlens_q[", i + 1, "] = ", cu[i + 1]);
+  }
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    TORCH_CHECK(lens[i] >= cu[i + 1] - cu[i], "pagedspec.", op, ": seq_lens[", i,
+                "] must be >= its q_len (the query tokens are in the cache), got seq_len = ",
+                lens[i], ", q_len = ", cu[i + 1] - cu[i]);
+  }
+}
+
 // Host-side checks of the index contents; the tensors must be on the CPU. cu_seqlens_q starts at
 // 0, never decreases and ends at num_tokens; every q_len <= max_q_len and <= seq_len; seq_len
 // fits the block table; every block a sequence uses is a valid block id.
@@ -257,20 +272,12 @@ inline void check_attention_indices(const char* op, const AttentionArgs& args,
   TORCH_CHECK(cu[args.num_seqs] == args.num_tokens, "pagedspec.", op, ": cu_seqlens_q[",
               args.num_seqs, "] must equal num_tokens (query.size(0) = ", args.num_tokens,
               "), got ", cu[args.num_seqs]);
-  // Monotonicity first, over the whole tensor: a decreasing step is a cu_seqlens_q error even
-  // when it also makes some q_len look too long.
-  for (int64_t i = 0; i < args.num_seqs; ++i) {
-    TORCH_CHECK(cu[i + 1] >= cu[i], "pagedspec.", op, ": cu_seqlens_q must be non-decreasing, got ",
-                "cu_seqlens_q[", i, "] = ", cu[i], " > cu_seqlens_q[", i + 1, "] = ", cu[i + 1]);
-  }
+  check_query_ranges(op, args.num_seqs, lens, cu);
   for (int64_t i = 0; i < args.num_seqs; ++i) {
     const int64_t q_len = int64_t(cu[i + 1]) - cu[i];
     TORCH_CHECK(q_len <= args.max_q_len, "pagedspec.", op, ": max_q_len (", args.max_q_len,
                 ") must bound every q_len, got q_len = ", q_len, " for sequence ", i);
     const int64_t seq_len = lens[i];
-    TORCH_CHECK(seq_len >= q_len, "pagedspec.", op, ": seq_lens[", i,
-                "] must be >= its q_len (the query tokens are in the cache), got seq_len = ",
-                seq_len, ", q_len = ", q_len);
     TORCH_CHECK(seq_len <= args.max_context(), "pagedspec.", op, ": seq_lens[", i,
                 "] must be <= block_tables.size(1) * block_size = ", args.max_context(),
                 " (beyond the block table), got ", seq_len);
@@ -382,9 +389,8 @@ inline void check_plan_contents(const char* op, const AttentionArgs& args, const
   for (int64_t i = 0; i < B; ++i) {
     const int q_len = cu[i + 1] - cu[i];
     for (int row0 = 0; row0 < q_len * G; row0 += rows_per_item) {
-      const int last = std::min(row0 + rows_per_item, q_len * G) - 1;
-      const int limit = causal_limit(seq_lens[i], q_len, last / G);
-      const int needed = plan.parts(int(i)) == 1 ? 1 : limit / P + 1;
+      const int needed = partitions_needed(seq_lens[i], q_len, G, rows_per_item, row0,
+                                           plan.parts(int(i)), P);
       if (seen[first_chunk[i] + row0 / rows_per_item] != needed) {
         fail("does not cover sequence " + std::to_string(i) + "'s rows " + std::to_string(row0) +
              ".. (" + std::to_string(needed) + " partitions needed)");

@@ -25,18 +25,16 @@ constexpr int kMaxRows = kCpuAttentionRows;  // query rows (tokens x heads of a 
 // batch 1 to 16 and 2k-16k contexts (decode and q_len 5, Sapphire Rapids, bench/NOTES.md), a
 // partition's K/V (about 128 KB per KV head at D = 128, bf16) staying in L2 while its tiles
 // are scored and accumulated.
-PlanRequest cpu_plan_request(const AttentionArgs& args, const int* seq_lens,
-                             const int* cu_seqlens_q, int forced_partition) {
+PlanRequest cpu_plan_request(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                             const int* seq_lens, const int* cu_seqlens_q, int forced_partition) {
   PlanRequest r{};
   r.seq_lens = seq_lens;
   r.cu_seqlens_q = cu_seqlens_q;
-  r.num_seqs = static_cast<int>(args.num_seqs);
-  r.group_size = static_cast<int>(args.num_heads / args.num_kv_heads);
-  r.num_kv_heads = static_cast<int>(args.num_kv_heads);
+  r.num_seqs = static_cast<int>(num_seqs);
+  r.group_size = static_cast<int>(num_heads / num_kv_heads);
+  r.num_kv_heads = static_cast<int>(num_kv_heads);
   r.rows_per_item = kMaxRows;
-  r.concurrency = at::get_num_threads();
-  r.waves = 2;
-  r.always_split = true;
+  r.always_split = true;   // (so concurrency and waves are not read)
   r.forced_partition = forced_partition;
   return r;
 }
@@ -70,7 +68,8 @@ void paged_attention_cpu_impl(const char* op, Variant variant, at::Tensor& out,
   check_attention_indices(op, args, block_tables, seq_lens, cu_seqlens_q);
   if (args.num_tokens == 0 || args.num_seqs == 0) return;
   const int forced = variant == Variant::kV1 ? -1 : (variant == Variant::kV2 ? kPartitionSize : 0);
-  const PlanRequest request = cpu_plan_request(args, seq_lens.const_data_ptr<int>(),
+  const PlanRequest request = cpu_plan_request(args.num_seqs, args.num_heads, args.num_kv_heads,
+                                               seq_lens.const_data_ptr<int>(),
                                                cu_seqlens_q.const_data_ptr<int>(), forced);
   const int partition = choose_partition(request);
   const int64_t items = plan_shape(request, partition).num_items;
@@ -116,15 +115,9 @@ at::Tensor paged_attention_plan_cpu(const at::Tensor& seq_lens, const at::Tensor
   const int* lens = seq_lens.const_data_ptr<int>();
   const int* cu = cu_seqlens_q.const_data_ptr<int>();
   TORCH_CHECK(B == 0 || cu[0] == 0, "pagedspec.", op, ": cu_seqlens_q[0] must be 0, got ", cu[0]);
-  for (int64_t i = 0; i < B; ++i) {
-    TORCH_CHECK(cu[i + 1] >= cu[i], "pagedspec.", op, ": cu_seqlens_q must be non-decreasing, got ",
-                "cu_seqlens_q[", i, "] = ", cu[i], " > cu_seqlens_q[", i + 1, "] = ", cu[i + 1]);
-    TORCH_CHECK(lens[i] >= cu[i + 1] - cu[i], "pagedspec.", op, ": seq_lens[", i,
-                "] must be >= its q_len, got seq_len = ", lens[i], ", q_len = ", cu[i + 1] - cu[i]);
-  }
-  const AttentionArgs shape{CacheFormat::kNative, {}, {}, B == 0 ? 0 : cu[B], B, num_heads,
-                            num_kv_heads, 0, 0, 1, 0, 0};
-  PlanRequest request = cpu_plan_request(shape, lens, cu, static_cast<int>(partition_size));
+  check_query_ranges(op, B, lens, cu);
+  PlanRequest request = cpu_plan_request(B, num_heads, num_kv_heads, lens, cu,
+                                         static_cast<int>(partition_size));
   if (device.is_cuda()) {
 #ifdef PAGEDSPEC_WITH_CUDA
     request.rows_per_item = kCudaAttentionRows;
@@ -153,7 +146,7 @@ at::Tensor paged_attention_plan_cpu(const at::Tensor& seq_lens, const at::Tensor
               "pagedspec.", op, ": the plan's items (", capacity, ") and partial rows (",
               shape_of_plan.partial_rows, ") must fit in int32");
   at::Tensor plan = at::empty({plan_length(B, capacity)}, seq_lens.options());
-  write_plan(request, partition, capacity, static_cast<int>(shape.num_tokens),
+  write_plan(request, partition, capacity, B == 0 ? 0 : cu[B],
              plan.data_ptr<int32_t>());
   return plan;
 }

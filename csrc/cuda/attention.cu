@@ -701,7 +701,7 @@ void launch_plan(PagedAttentionParams<QT, CacheT> p, const AttentionArgs& args,
   p.plan = plan.const_data_ptr<int32_t>();
   p.partial_rows = workspace_rows;
   if (workspace_rows > 0) {
-    p.part_acc = const_cast<float*>(workspace.const_data_ptr<float>());
+    p.part_acc = workspace.data_ptr<float>();
     p.part_max = p.part_acc + workspace_rows * args.num_heads * D;
     p.part_sum = p.part_max + workspace_rows * args.num_heads;
   }

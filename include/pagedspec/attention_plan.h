@@ -104,6 +104,18 @@ struct PlanShape {
   int64_t partial_rows;
 };
 
+// Partitions a chunk of query rows [row0, row0 + rows_per_item) of a sequence (len positions,
+// q_len query tokens, `parts` partitions of `partition` positions) needs: those its last row can
+// see (1 for an unsplit sequence). The planner makes one item per needed partition; the plan
+// validator checks that each chunk has exactly these.
+PS_HOST_DEVICE int partitions_needed(int len, int q_len, int group_size, int rows_per_item,
+                                     int row0, int parts, int partition) {
+  if (parts == 1) return 1;
+  const int rows = q_len * group_size;
+  const int last_row = (row0 + rows_per_item < rows ? row0 + rows_per_item : rows) - 1;
+  return causal_limit(len, q_len, last_row / group_size) / partition + 1;
+}
+
 // Items and partial rows of splitting every sequence longer than `partition` into partitions of
 // that size (an item is made only for partitions its rows can see).
 inline PlanShape plan_shape(const PlanRequest& r, int partition) {
@@ -115,9 +127,8 @@ inline PlanShape plan_shape(const PlanRequest& r, int partition) {
     const int rows = q_len * r.group_size;
     const int parts = len > partition ? num_partitions_of(len, partition) : 1;
     for (int row0 = 0; row0 < rows; row0 += r.rows_per_item) {
-      const int last_row = (row0 + r.rows_per_item < rows ? row0 + r.rows_per_item : rows) - 1;
-      const int limit = causal_limit(len, q_len, last_row / r.group_size);
-      s.num_items += parts == 1 ? 1 : limit / partition + 1;
+      s.num_items +=
+          partitions_needed(len, q_len, r.group_size, r.rows_per_item, row0, parts, partition);
     }
     if (parts > 1) s.partial_rows += int64_t(q_len) * parts;
   }
@@ -181,9 +192,8 @@ inline void write_plan(const PlanRequest& r, int partition, int64_t capacity, in
     if (p > 1) partial_rows += int64_t(q_len) * p;
     const int rows = q_len * r.group_size;
     for (int row0 = 0; row0 < rows; row0 += r.rows_per_item) {
-      const int last_row = (row0 + r.rows_per_item < rows ? row0 + r.rows_per_item : rows) - 1;
-      const int limit = causal_limit(len, q_len, last_row / r.group_size);
-      const int needed = p == 1 ? 1 : limit / partition + 1;
+      const int needed =
+          partitions_needed(len, q_len, r.group_size, r.rows_per_item, row0, p, partition);
       for (int k = 0; k < needed; ++k, ++n) {
         items[3 * n] = i;
         items[3 * n + 1] = row0;
