@@ -73,12 +73,16 @@ def test_cuda_planner_splits_only_when_the_device_would_idle():
     assert ops.paged_attention_plan(lens, cu, 32, 8, "cuda")[4] == 4096
 
 
-def _run(case, plan, *, lse=True, mass=True):
+def planned(plan):
+    """paged_attention_run through ``plan`` as a function of paged_attention's arguments (for
+    Case.run and check_case)."""
     def fn(out, *args):
-        args = list(args)
-        # paged_attention's argument list with plan and workspace after scale.
         ops.paged_attention_run(out, *args[:8], plan.plan, plan.workspace, *args[8:])
-    return check_case(case, fn, lse=lse, mass=mass)
+    return fn
+
+
+def _run(case, plan, *, lse=True, mass=True):
+    return check_case(case, planned(plan), lse=lse, mass=mass)
 
 
 @pytest.mark.parametrize("seq_lens, q_lens", SHAPES)
@@ -120,8 +124,7 @@ def test_split_and_unsplit_runs_agree(gen):
     for partition_size in (-1, 256):
         plan = ops.plan_paged_attention(case.seq_lens, case.cu_seqlens_q, 8, 1, 128, "cpu",
                                         partition_size=partition_size)
-        out, lse, _ = case.run(lambda o, *a: ops.paged_attention_run(
-            o, *a[:8], plan.plan, plan.workspace, *a[8:]), lse=True)
+        out, lse, _ = case.run(planned(plan), lse=True)
         results.append((out, lse))
     assert_close(results[0][0], results[1][0].float(), torch.float16)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=2e-5, atol=2e-5)

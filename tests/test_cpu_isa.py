@@ -14,6 +14,7 @@ import test_attention
 import test_cache
 import test_fp8
 from test_attention import FP8, GRID, VARIANTS, Case, _grid_id, check_case
+from test_attention_plan import planned
 
 INFO = pagedspec.build_info()
 LEVELS = [pytest.param(level, marks=pytest.mark.skipif(
@@ -79,15 +80,13 @@ def test_plans_and_isolation_at_every_level(gen, level, partition_size):
                 head_size=128, block_size=16, dtype=torch.bfloat16)
     plan = ops.plan_paged_attention(case.seq_lens, case.cu_seqlens_q, 8, 2, 128, "cpu",
                                     partition_size=partition_size)
-    clean = case.run(lambda o, *a: ops.paged_attention_run(o, *a[:8], plan.plan, plan.workspace,
-                                                            *a[8:]), lse=True)
-    check_case(case, lambda o, *a: ops.paged_attention_run(o, *a[:8], plan.plan, plan.workspace,
-                                                            *a[8:]), mass=True)
+    run = planned(plan)
+    clean = case.run(run, lse=True)
+    check_case(case, run, mass=True)
     # A later draft token's V set to inf leaves the earlier tokens bit-identical.
     slot = int(case.block_tables[0, 1099 // 16]) * 16 + 1099 % 16
     case.value_cache.view(-1, 2, 128)[slot] = float("inf")
-    out, lse, _ = case.run(lambda o, *a: ops.paged_attention_run(o, *a[:8], plan.plan,
-                                                                 plan.workspace, *a[8:]), lse=True)
+    out, lse, _ = case.run(run, lse=True)
     assert torch.equal(out[:4], clean[0][:4]) and torch.equal(lse[:4], clean[1][:4])
 
 

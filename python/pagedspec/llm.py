@@ -687,14 +687,11 @@ class LLM:
             spec.draft.apply_moves(batch.block_ops)   # both caches make the same block moves
             draft_probs = self._draft(batch)
         start = time.perf_counter()
-        mass = None
-        if self.kv_budgets.wants_mass(s.seq_id for s in batch.seqs):
-            bm = self.block_manager
-            mass = torch.zeros(bm.num_blocks * bm.block_size, device=self.device)
+        seq_ids = [s.seq_id for s in batch.seqs]
+        mass = self.kv_budgets.mass_buffer(self.block_manager, seq_ids, self.device)
         logits = self.runner.execute(batch, attn_mass=mass)
         if mass is not None:
-            self.kv_budgets.record(self.block_manager, [s.seq_id for s in batch.seqs],
-                                   mass.view(bm.num_blocks, -1).sum(1).cpu())
+            self.kv_budgets.record(self.block_manager, seq_ids, mass)
         if spec is not None:
             spec.stats.target_seconds += self._synchronized(start)
             spec.stats.num_steps += 1

@@ -97,9 +97,8 @@ def run_policy(model, windows: list[list[int]], policy: KVEvictionPolicy,
         batch = scheduler.schedule()
         if not batch.seqs:
             break
-        mass = None
-        if budgets.wants_mass(s.seq_id for s in batch.seqs):
-            mass = torch.zeros(num_blocks * BLOCK_SIZE, device=device)
+        seq_ids = [s.seq_id for s in batch.seqs]
+        mass = budgets.mass_buffer(bm, seq_ids, device)
         start = time.perf_counter()
         logits = runner.execute(batch, attn_mass=mass)
         logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
@@ -109,8 +108,7 @@ def run_policy(model, windows: list[list[int]], policy: KVEvictionPolicy,
             decode_seconds += time.perf_counter() - start
             decode_tokens += len(batch.seqs)
         if mass is not None:
-            budgets.record(bm, [s.seq_id for s in batch.seqs],
-                           mass.view(num_blocks, -1).sum(1).cpu())
+            budgets.record(bm, seq_ids, mass)
         sampled = []
         for row, seq in enumerate(batch.seqs):
             position = len(seq.token_ids)             # the token these logits predict

@@ -132,12 +132,18 @@ class KVBudgets:
     def forget(self, seq_id: int) -> None:
         self.policies.pop(seq_id, None)
 
-    def wants_mass(self, seq_ids: Iterable[int]) -> bool:
-        return any(self.policies.get(s, _NONE).mode == "h2o" for s in seq_ids)
+    def mass_buffer(self, bm: BlockManager, seq_ids: Iterable[int],
+                    device: torch.device) -> Optional[torch.Tensor]:
+        """The zeroed ``attn_mass`` buffer (float32 ``[num_blocks * block_size]``) for a step of
+        these sequences, or None when none of them is h2o (the step then skips the mass pass)."""
+        if not any(self.policies.get(s, _NONE).mode == "h2o" for s in seq_ids):
+            return None
+        return torch.zeros(bm.num_blocks * bm.block_size, device=device)
 
-    def record(self, bm: BlockManager, seq_ids: Sequence[int], block_mass: torch.Tensor) -> None:
-        """Add a step's attention mass (float32 ``[num_blocks]``, summed per physical block) to
-        the scores of the h2o sequences' blocks."""
+    def record(self, bm: BlockManager, seq_ids: Sequence[int], attn_mass: torch.Tensor) -> None:
+        """Add a step's attention mass (``mass_buffer``'s, after the forward pass) to the scores
+        of the h2o sequences' blocks."""
+        block_mass = attn_mass.view(bm.num_blocks, -1).sum(1).cpu()
         keys, blocks = [], []
         for seq_id in seq_ids:
             if self.policies.get(seq_id, _NONE).mode != "h2o":
