@@ -8,6 +8,8 @@ Environment:
   MAX_JOBS                  parallel compile jobs (default: CPU count).
   PAGEDSPEC_NATIVE=1        compile with -march=native (not portable; the CPU kernels choose
                             their ISA level at run time without it).
+  PAGEDSPEC_BUILD_DIR       the CMake build folder (default build/cmake); a second environment
+                            (another torch, e.g. bench/peers/setup_vllm_cpu.sh's) needs its own.
 """
 from __future__ import annotations
 
@@ -56,7 +58,8 @@ class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         # A fixed build folder so `pip install -e .` rebuilds incrementally.
-        build_dir = ROOT / "build" / "cmake"
+        build_dir = Path(os.environ.get("PAGEDSPEC_BUILD_DIR") or ROOT / "build" / "cmake")
+        build_dir = build_dir if build_dir.is_absolute() else ROOT / build_dir
         build_dir.mkdir(parents=True, exist_ok=True)
 
         cuda_mode = {"0": "OFF", "1": "ON"}.get(os.environ.get("PAGEDSPEC_CUDA", ""), "AUTO")

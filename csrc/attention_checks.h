@@ -67,14 +67,8 @@ inline bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
   if (a.is_non_overlapping_and_dense() && b.is_non_overlapping_and_dense()) {
     return at::get_overlap_status(a, b) != at::MemOverlapStatus::No;
   }
-  auto range = [](const at::Tensor& t) {
-    int64_t last = 0;  // offset of the last element, in elements (strides are >= 0 here)
-    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * std::abs(t.stride(d));
-    const char* begin = static_cast<const char*>(t.const_data_ptr());
-    return std::pair<const char*, const char*>{begin, begin + (last + 1) * t.element_size()};
-  };
-  const auto [a0, a1] = range(a);
-  const auto [b0, b1] = range(b);
+  const auto [a0, a1] = byte_range(a);
+  const auto [b0, b1] = byte_range(b);
   return a0 < b1 && b0 < a1;
 }
 
@@ -92,6 +86,7 @@ struct AttentionArgs {
   int64_t block_size;
   int64_t max_blocks_per_seq;
   int64_t max_q_len;
+  int64_t cache_block_stride = 0;  // key_cache.stride(0) (= value_cache's), elements
 
   // Bound on q_len for sizing launches: the caller's max_q_len, but never above num_tokens.
   int64_t launch_max_q_len() const { return std::min(max_q_len, num_tokens); }
@@ -136,14 +131,8 @@ inline AttentionArgs check_attention(const char* op, const at::Tensor& out,
               ": out must be contiguous in the last (head_size) dimension, got strides ",
               out.strides());
 
-  for (const auto& [name, cache] : {std::pair<const char*, const at::Tensor*>{"key_cache", &key_cache},
-                                    {"value_cache", &value_cache}}) {
-    check_dim(op, name, *cache, 4);
-    check_contiguous(op, name, *cache);
-  }
+  const int64_t cache_block_stride = check_cache_pair(op, key_cache, value_cache);
   const CacheFormat format = cache_format(op, "key_cache", key_cache);
-  check_same_dtype(op, "value_cache", value_cache, "key_cache", key_cache);
-  check_shape(op, "value_cache", value_cache, key_cache.sizes());
   if (format == CacheFormat::kNative) {
     TORCH_CHECK(key_cache.scalar_type() == query.scalar_type(), "pagedspec.", op,
                 ": key_cache must have query's dtype (", query.scalar_type(),
@@ -236,7 +225,7 @@ inline AttentionArgs check_attention(const char* op, const at::Tensor& out,
   AttentionArgs args{format,     ScaleRef{nullptr, false}, ScaleRef{nullptr, false},
                      num_tokens, num_seqs,     num_heads,    num_kv_heads,
                      head_size,  num_blocks,   block_size,   block_tables.size(1),
-                     max_q_len};
+                     max_q_len,  cache_block_stride};
   if (format != CacheFormat::kNative) {
     args.k_scale = make_scale_ref(op, "k_scale", k_scale, num_kv_heads, query.device());
     args.v_scale = make_scale_ref(op, "v_scale", v_scale, num_kv_heads, query.device());
@@ -425,6 +414,7 @@ PagedAttentionParams<QT, CacheT> make_attention_params(
   p.out_token_stride = out.stride(0);
   p.out_head_stride = out.stride(1);
   p.num_blocks = args.num_blocks;
+  p.cache_block_stride = args.cache_block_stride;
   p.num_tokens = static_cast<int>(args.num_tokens);
   p.num_seqs = static_cast<int>(args.num_seqs);
   p.num_heads = static_cast<int>(args.num_heads);

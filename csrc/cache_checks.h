@@ -17,28 +17,20 @@
 
 namespace pagedspec {
 
-inline void check_cache_tensor(const char* op, const char* name, const at::Tensor& cache) {
-  check_dim(op, name, cache, 4);
-  check_contiguous(op, name, cache);
-  (void)cache_format(op, name, cache);
-}
-
-inline CacheGeometry cache_geometry(const at::Tensor& cache) {
-  return CacheGeometry{cache.size(0), static_cast<int>(cache.size(1)),
-                       static_cast<int>(cache.size(2)), static_cast<int>(cache.size(3))};
-}
-
-// CUDA launchers: a cache must start on a 16-byte boundary, since the kernels access it 16 bytes
-// at a time at offsets that are multiples of 16 from its start (whole slots or blocks; the
-// launchers pick narrower accesses when a slot or block is not a multiple of 16 bytes). A view at
-// an odd offset would otherwise fault. Same rule as the attention kernels' caches.
-inline void check_cache_alignment(const char* op, const std::string& name,
+// A 4-D paged cache: dense blocks, any block stride of at least a block (check_block_strided).
+// Returns the block stride in elements.
+inline int64_t check_cache_tensor(const char* op, const std::string& name,
                                   const at::Tensor& cache) {
-  const auto address = reinterpret_cast<uintptr_t>(cache.const_data_ptr());
-  TORCH_CHECK(address % 16 == 0, "pagedspec.", op, ": ", name,
-              " must start on a 16-byte boundary on CUDA (the kernel accesses it 16 bytes at a "
-              "time), got address ", cache.const_data_ptr(), " (storage offset ",
-              cache.storage_offset(), " elements of ", cache.element_size(), " bytes)");
+  check_dim(op, name.c_str(), cache, 4);
+  const int64_t block_stride = check_block_strided(op, name, cache);
+  (void)cache_format(op, name.c_str(), cache);
+  return block_stride;
+}
+
+inline CacheGeometry cache_geometry(const at::Tensor& cache, int64_t block_stride) {
+  return CacheGeometry{cache.size(0), static_cast<int>(cache.size(1)),
+                       static_cast<int>(cache.size(2)), static_cast<int>(cache.size(3)),
+                       block_stride};
 }
 
 // Validated arguments of reshape_and_cache (everything but the data pointers' types).
@@ -59,10 +51,7 @@ inline ReshapeAndCacheArgs check_reshape_and_cache(
   check_same_dtype(op, "value", value, "key", key);
   check_dim(op, "key", key, 3);
   check_shape(op, "value", value, key.sizes());
-  check_cache_tensor(op, "key_cache", key_cache);
-  check_cache_tensor(op, "value_cache", value_cache);
-  check_shape(op, "value_cache", value_cache, key_cache.sizes());
-  check_same_dtype(op, "value_cache", value_cache, "key_cache", key_cache);
+  const int64_t block_stride = check_cache_pair(op, key_cache, value_cache);
   check_size(op, "key", key, 1, key_cache.size(2), "num_kv_heads of key_cache");
   check_size(op, "key", key, 2, key_cache.size(3), "head_size of key_cache");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "pagedspec.", op,
@@ -82,7 +71,7 @@ inline ReshapeAndCacheArgs check_reshape_and_cache(
   if (format == CacheFormat::kNative) {
     check_same_dtype(op, "key_cache", key_cache, "key", key);
   }
-  ReshapeAndCacheArgs args{cache_geometry(key_cache), format, ScaleRef{nullptr, false},
+  ReshapeAndCacheArgs args{cache_geometry(key_cache, block_stride), format, ScaleRef{nullptr, false},
                            ScaleRef{nullptr, false}, key.size(0)};
   if (format != CacheFormat::kNative) {
     args.k_scale = make_scale_ref(op, "k_scale", k_scale, args.geo.num_kv_heads, key.device());
@@ -168,12 +157,12 @@ inline void check_block_mapping_values(const char* op, const at::Tensor& mapping
   }
 }
 
-// Whether two tensors' bytes overlap (views of one buffer at any offsets).
+// Whether two tensors' byte ranges overlap (views of one buffer at any offsets and strides).
 inline bool bytes_overlap(const at::Tensor& a, const at::Tensor& b) {
-  if (a.device() != b.device() || a.nbytes() == 0 || b.nbytes() == 0) return false;
-  const auto a0 = reinterpret_cast<uintptr_t>(a.const_data_ptr());
-  const auto b0 = reinterpret_cast<uintptr_t>(b.const_data_ptr());
-  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+  if (a.device() != b.device() || a.numel() == 0 || b.numel() == 0) return false;
+  const auto [a0, a1] = byte_range(a);
+  const auto [b0, b1] = byte_range(b);
+  return a0 < b1 && b0 < a1;
 }
 
 // Host-side, swap_blocks: the result must not depend on the order of the pairs, so that the CUDA
@@ -185,7 +174,8 @@ inline bool bytes_overlap(const at::Tensor& a, const at::Tensor& b) {
 // ids in range (check_block_mapping_values).
 inline void check_swap_pairs_independent(const char* op, const at::Tensor& mapping,
                                          const at::Tensor& src, const at::Tensor& dst,
-                                         int64_t block_bytes) {
+                                         int64_t block_bytes, int64_t src_stride,
+                                         int64_t dst_stride) {
   const int64_t* p = mapping.const_data_ptr<int64_t>();
   const int64_t n = mapping.size(0);
   std::vector<std::pair<int64_t, int64_t>> dsts;  // (dst block, pair), sorted
@@ -199,20 +189,27 @@ inline void check_swap_pairs_independent(const char* op, const at::Tensor& mappi
                 "block_mapping[", dsts[i - 1].second, ", 1]");
   }
   if (block_bytes == 0 || !bytes_overlap(src, dst)) return;
-  // Src block s spans bytes [delta + s * bb, delta + (s + 1) * bb) of dst's address space; the
-  // dst blocks it touches are floor(first byte / bb) .. floor(last byte / bb).
+  // In dst's address space, src block s spans [delta + s * src_stride, + block_bytes) and dst
+  // block d spans [d * dst_stride, + block_bytes) (dst_stride >= block_bytes, so blocks are
+  // disjoint): the dst blocks that can meet src block s are floor((first - block_bytes + 1) /
+  // dst_stride) .. floor(last / dst_stride), each tested exactly.
   const int64_t delta = static_cast<int64_t>(reinterpret_cast<uintptr_t>(src.const_data_ptr()) -
                                              reinterpret_cast<uintptr_t>(dst.const_data_ptr()));
   const auto floor_div = [](int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); };
   for (int64_t j = 0; j < n; ++j) {
-    const int64_t first = delta + p[2 * j] * block_bytes;
-    const int64_t lo = floor_div(first, block_bytes);
-    const int64_t hi = floor_div(first + block_bytes - 1, block_bytes);
-    const auto it = std::lower_bound(dsts.begin(), dsts.end(), std::pair<int64_t, int64_t>{lo, -1});
-    TORCH_CHECK(it == dsts.end() || it->first > hi, "pagedspec.", op, ": block_mapping[", j,
-                ", 0] must not overlap any dst block of the call when src and dst share memory "
-                "(pairs are not ordered: CUDA copies them all at once), got src block ", p[2 * j],
-                ", which overlaps dst block ", it->first, " of block_mapping[", it->second, ", 1]");
+    const int64_t first = delta + p[2 * j] * src_stride;
+    const int64_t last = first + block_bytes - 1;
+    const int64_t lo = floor_div(first - block_bytes + 1, dst_stride);
+    const int64_t hi = floor_div(last, dst_stride);
+    auto it = std::lower_bound(dsts.begin(), dsts.end(), std::pair<int64_t, int64_t>{lo, -1});
+    for (; it != dsts.end() && it->first <= hi; ++it) {
+      const int64_t d0 = it->first * dst_stride;
+      TORCH_CHECK(!(d0 <= last && first <= d0 + block_bytes - 1), "pagedspec.", op,
+                  ": block_mapping[", j, ", 0] must not overlap any dst block of the call when "
+                  "src and dst share memory (pairs are not ordered: CUDA copies them all at "
+                  "once), got src block ", p[2 * j], ", which overlaps dst block ", it->first,
+                  " of block_mapping[", it->second, ", 1]");
+    }
   }
 }
 
@@ -220,6 +217,7 @@ inline void check_swap_pairs_independent(const char* op, const at::Tensor& mappi
 struct CopyBlocksArgs {
   int64_t num_blocks;
   int64_t block_bytes;
+  int64_t block_stride;  // elements, shared by every cache
 };
 
 inline CopyBlocksArgs check_copy_blocks(const at::TensorList& key_caches,
@@ -230,29 +228,36 @@ inline CopyBlocksArgs check_copy_blocks(const at::TensorList& key_caches,
               ": key_caches and value_caches must have the same length, got ", key_caches.size(),
               " and ", value_caches.size());
   check_block_mapping_shape(op, block_mapping);
-  if (key_caches.empty()) return CopyBlocksArgs{0, 0};
+  if (key_caches.empty()) return CopyBlocksArgs{0, 0, 0};
   const at::Tensor& ref = key_caches[0];
-  check_cache_tensor(op, "key_caches[0]", ref);
+  const int64_t block_stride = check_cache_tensor(op, "key_caches[0]", ref);
   for (size_t l = 0; l < key_caches.size(); ++l) {
     for (const at::Tensor* t : {&key_caches[l], &value_caches[l]}) {
-      const char* name = t == &key_caches[l] ? "key_caches[i]" : "value_caches[i]";
+      const std::string name = std::string(t == &key_caches[l] ? "key_caches[" : "value_caches[") +
+                               std::to_string(l) + "]";
       TORCH_CHECK(t->sizes() == ref.sizes() && t->scalar_type() == ref.scalar_type() &&
                       t->device() == ref.device(),
-                  "pagedspec.", op, ": ", name, " for i=", l,
-                  " must match key_caches[0] (shape ", ref.sizes(), ", ", ref.scalar_type(), ", ",
-                  ref.device(), "), got shape ", t->sizes(), ", ", t->scalar_type(), ", ",
-                  t->device());
-      check_contiguous(op, name, *t);
+                  "pagedspec.", op, ": ", name, " must match key_caches[0] (shape ", ref.sizes(),
+                  ", ", ref.scalar_type(), ", ", ref.device(), "), got shape ", t->sizes(), ", ",
+                  t->scalar_type(), ", ", t->device());
+      // One block stride for all: the kernel takes one per launch.
+      TORCH_CHECK(check_block_strided(op, name, *t) == block_stride, "pagedspec.", op, ": ",
+                  name, ".stride(0) (block stride) must equal key_caches[0]'s (", block_stride,
+                  "), got ", t->stride(0));
     }
   }
   check_same_device(op, "block_mapping", block_mapping, "key_caches[0]", ref);
-  return CopyBlocksArgs{ref.size(0), c10::multiply_integers(ref.sizes().slice(1)) *
-                                         static_cast<int64_t>(ref.element_size())};
+  return CopyBlocksArgs{ref.size(0),
+                        c10::multiply_integers(ref.sizes().slice(1)) *
+                            static_cast<int64_t>(ref.element_size()),
+                        block_stride};
 }
 
 // Validated arguments of swap_blocks.
 struct SwapBlocksArgs {
   int64_t block_bytes;
+  int64_t src_block_stride;  // bytes
+  int64_t dst_block_stride;  // bytes
 };
 
 inline SwapBlocksArgs check_swap_blocks(const at::Tensor& src, const at::Tensor& dst,
@@ -263,15 +268,17 @@ inline SwapBlocksArgs check_swap_blocks(const at::Tensor& src, const at::Tensor&
   TORCH_CHECK(src.defined(), "pagedspec.", op, ": src must be a Tensor, got None");
   TORCH_CHECK(dst.defined(), "pagedspec.", op, ": dst must be a Tensor, got None");
   TORCH_CHECK(src.dim() >= 1, "pagedspec.", op, ": src must have at least 1 dimension");
-  check_contiguous(op, "src", src);
-  check_contiguous(op, "dst", dst);
+  const int64_t src_stride = check_block_strided(op, "src", src);
+  TORCH_CHECK(dst.dim() >= 1, "pagedspec.", op, ": dst must have at least 1 dimension");
+  const int64_t dst_stride = check_block_strided(op, "dst", dst);
   check_same_dtype(op, "dst", dst, "src", src);
   TORCH_CHECK(src.dim() == dst.dim() && src.sizes().slice(1) == dst.sizes().slice(1),
               "pagedspec.", op, ": dst must have the same block shape as src (", src.sizes(),
               " vs ", dst.sizes(), "); only the number of blocks may differ");
   check_block_mapping_shape(op, block_mapping);
-  return SwapBlocksArgs{c10::multiply_integers(src.sizes().slice(1)) *
-                        static_cast<int64_t>(src.element_size())};
+  const auto element_size = static_cast<int64_t>(src.element_size());
+  return SwapBlocksArgs{c10::multiply_integers(src.sizes().slice(1)) * element_size,
+                        src_stride * element_size, dst_stride * element_size};
 }
 
 }  // namespace pagedspec

@@ -7,12 +7,14 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
+#include <c10/util/accumulate.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <initializer_list>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "pagedspec/codec.h"
 
@@ -76,6 +78,36 @@ inline void check_contiguous(const char* op, const char* name, const at::Tensor&
               " must be contiguous, got strides ", t.strides(), " for shape ", t.sizes());
 }
 
+// A paged cache (or swap_blocks' src/dst) may be a strided view along its block dimension (dim
+// 0): every other dimension is dense, and the block stride is at least one block's elements, so
+// blocks never overlap (contract extension "strided block dimension": vLLM hands out one page
+// per block holding both K and V). Returns the block stride in elements; one block's elements
+// when there is at most one block (its stride is then never used).
+inline int64_t check_block_strided(const char* op, const std::string& name, const at::Tensor& t) {
+  int64_t block_elems = 1;
+  for (int64_t d = t.dim() - 1; d >= 1; --d) {
+    TORCH_CHECK(t.size(d) == 1 || t.stride(d) == block_elems, "pagedspec.", op, ": ", name,
+                " must be contiguous in every dimension but the first (block) one, got strides ",
+                t.strides(), " for shape ", t.sizes());
+    block_elems *= t.size(d);
+  }
+  if (t.dim() == 0 || t.size(0) <= 1) return block_elems;
+  TORCH_CHECK(t.stride(0) >= block_elems, "pagedspec.", op, ": ", name,
+              ".stride(0) (block stride) must be at least one block's elements (", block_elems,
+              ") so that blocks do not overlap, got strides ", t.strides(), " for shape ",
+              t.sizes());
+  return t.stride(0);
+}
+
+// The bytes [begin, end) a tensor's elements lie in (non-negative strides), for overlap tests of
+// strided views.
+inline std::pair<uintptr_t, uintptr_t> byte_range(const at::Tensor& t) {
+  int64_t last = 0;  // offset of the last element, in elements
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * std::abs(t.stride(d));
+  const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  return {begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size())};
+}
+
 inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
                               const char* ref_name, const at::Tensor& ref) {
   TORCH_CHECK(t.device() == ref.device(), "pagedspec.", op, ": ", name,
@@ -105,6 +137,43 @@ inline CacheFormat cache_format(const char* op, const char* name, const at::Tens
                   " must have dtype in {Half, BFloat16, Float, Float8_e4m3fn, Float8_e5m2}, got ",
                   cache.scalar_type());
   }
+}
+
+// CUDA launchers: a cache must start on a 16-byte boundary, and a strided cache's block stride
+// must be a multiple of 16 bytes, since the kernels access it 16 bytes at a time at offsets
+// that are multiples of 16 from each block's start (whole slots or blocks; the launchers pick
+// narrower accesses when a slot or block is not a multiple of 16 bytes). A view at an odd offset
+// would otherwise fault. Same rule for the attention kernels' caches.
+inline void check_cache_alignment(const char* op, const std::string& name, const at::Tensor& cache,
+                                  int64_t block_stride) {
+  const auto address = reinterpret_cast<uintptr_t>(cache.const_data_ptr());
+  TORCH_CHECK(address % 16 == 0, "pagedspec.", op, ": ", name,
+              " must start on a 16-byte boundary on CUDA (the kernel accesses it 16 bytes at a "
+              "time), got address ", cache.const_data_ptr(), " (storage offset ",
+              cache.storage_offset(), " elements of ", cache.element_size(), " bytes)");
+  const int64_t dense = cache.dim() == 0 ? 1 : c10::multiply_integers(cache.sizes().slice(1));
+  const int64_t stride_bytes = block_stride * static_cast<int64_t>(cache.element_size());
+  TORCH_CHECK(block_stride == dense || stride_bytes % 16 == 0, "pagedspec.", op, ": ", name,
+              ".stride(0) (block stride) must be a multiple of 16 bytes on CUDA when blocks are "
+              "not contiguous (each block is accessed 16 bytes at a time from its start), got ",
+              block_stride, " elements = ", stride_bytes, " bytes");
+}
+
+// key_cache and value_cache of one call: 4-D paged caches of one shape, dtype and block stride
+// (the kernels address both with one offset). Returns the block stride in elements.
+inline int64_t check_cache_pair(const char* op, const at::Tensor& key_cache,
+                                const at::Tensor& value_cache) {
+  check_dim(op, "key_cache", key_cache, 4);
+  check_dim(op, "value_cache", value_cache, 4);
+  const int64_t block_stride = check_block_strided(op, "key_cache", key_cache);
+  check_block_strided(op, "value_cache", value_cache);
+  (void)cache_format(op, "key_cache", key_cache);
+  check_same_dtype(op, "value_cache", value_cache, "key_cache", key_cache);
+  check_shape(op, "value_cache", value_cache, key_cache.sizes());
+  TORCH_CHECK(value_cache.size(0) <= 1 || value_cache.stride(0) == key_cache.stride(0),
+              "pagedspec.", op, ": value_cache.stride(0) (block stride) must equal key_cache's (",
+              key_cache.stride(0), "), got ", value_cache.stride(0));
+  return block_stride;
 }
 
 // Host-side: every entry of a float32 scale is finite and positive (a zero, negative, infinite or

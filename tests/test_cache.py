@@ -234,7 +234,7 @@ def test_copy_blocks_bad_mapping(mapping, match):
 
 
 def test_copy_blocks_bad_layers():
-    with pytest.raises(RuntimeError, match=r"value_caches\[i\] for i=1 must match key_caches\[0\]"):
+    with pytest.raises(RuntimeError, match=r"value_caches\[1\] must match key_caches\[0\]"):
         ops.copy_blocks([torch.zeros(4, 8, 2, 64)] * 2,
                         [torch.zeros(4, 8, 2, 64), torch.zeros(5, 8, 2, 64)],
                         torch.tensor([[0, 1]]))

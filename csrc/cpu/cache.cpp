@@ -40,8 +40,8 @@ void copy_blocks_cpu(at::TensorList key_caches, at::TensorList value_caches,
       const int64_t j = (i / 2) % n;
       const at::Tensor& cache = (i % 2 == 0) ? key_caches[layer] : value_caches[layer];
       char* base = static_cast<char*>(cache.data_ptr());
-      std::memcpy(base + map[2 * j + 1] * args.block_bytes, base + map[2 * j] * args.block_bytes,
-                  args.block_bytes);
+      const int64_t stride = args.block_stride * static_cast<int64_t>(cache.element_size());
+      std::memcpy(base + map[2 * j + 1] * stride, base + map[2 * j] * stride, args.block_bytes);
     }
   });
 }
@@ -52,12 +52,13 @@ void swap_blocks_cpu(const at::Tensor& src, at::Tensor& dst, const at::Tensor& b
   check_block_mapping_values("swap_blocks", block_mapping, src.size(0), dst.size(0),
                              /*forbid_aliasing=*/false);
   // The pairs are independent (as the CUDA kernel needs), so their order does not matter.
-  check_swap_pairs_independent("swap_blocks", block_mapping, src, dst, args.block_bytes);
+  check_swap_pairs_independent("swap_blocks", block_mapping, src, dst, args.block_bytes,
+                               args.src_block_stride, args.dst_block_stride);
   const int64_t* map = block_mapping.const_data_ptr<int64_t>();
   const char* s = static_cast<const char*>(src.const_data_ptr());
   char* d = static_cast<char*>(dst.data_ptr());
   for (int64_t j = 0; j < block_mapping.size(0); ++j) {
-    std::memcpy(d + map[2 * j + 1] * args.block_bytes, s + map[2 * j] * args.block_bytes,
+    std::memcpy(d + map[2 * j + 1] * args.dst_block_stride, s + map[2 * j] * args.src_block_stride,
                 args.block_bytes);
   }
 }

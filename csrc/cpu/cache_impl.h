@@ -16,8 +16,8 @@ void reshape_and_cache_cpu_impl(const ReshapeAndCacheParams<InT, CacheT>& p) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = p.slot_mapping[t];
       if (slot < 0) continue;  // padding token
-      CacheT* k_dst = p.key_cache + slot * p.geo.slot_stride();
-      CacheT* v_dst = p.value_cache + slot * p.geo.slot_stride();
+      CacheT* k_dst = p.key_cache + p.geo.slot_offset(slot);
+      CacheT* v_dst = p.value_cache + p.geo.slot_offset(slot);
       for (int h = 0; h < heads; ++h) {
         const InT* k_src = p.key + t * p.key_token_stride + h * p.key_head_stride;
         const InT* v_src = p.value + t * p.value_token_stride + h * p.value_head_stride;

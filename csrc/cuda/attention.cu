@@ -810,12 +810,8 @@ void paged_attention_cuda(const char* op, Variant variant, at::Tensor& out, cons
     }
   }
   if (args.num_tokens == 0 || args.num_seqs == 0) return;
-  for (const auto& [name, cache] : {std::pair<const char*, const at::Tensor*>{"key_cache", &key_cache},
-                                    {"value_cache", &value_cache}}) {
-    TORCH_CHECK(is_aligned(cache->const_data_ptr(), 16), "pagedspec.", op,
-                ": ", name, " must start on a 16-byte boundary (the kernel loads 16 bytes at a "
-                "time), got address ", cache->const_data_ptr());
-  }
+  check_cache_alignment(op, "key_cache", key_cache, args.cache_block_stride);
+  check_cache_alignment(op, "value_cache", value_cache, args.cache_block_stride);
   const c10::cuda::CUDAGuard guard(query.device());
   const AttentionCall call{op, variant, out, query, key_cache, value_cache, block_tables,
                            seq_lens, cu_seqlens_q, scale, lse, attn_mass, plan, workspace,

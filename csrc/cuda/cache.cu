@@ -28,8 +28,8 @@ __global__ void __launch_bounds__(kThreads)
   if (slot < 0 || slot >= p.geo.num_slots()) return;
   const int head_size = p.geo.head_size;
   const int vecs = p.geo.num_kv_heads * head_size / VEC;
-  CacheT* k_dst = p.key_cache + slot * p.geo.slot_stride();
-  CacheT* v_dst = p.value_cache + slot * p.geo.slot_stride();
+  CacheT* k_dst = p.key_cache + p.geo.slot_offset(slot);
+  CacheT* v_dst = p.value_cache + p.geo.slot_offset(slot);
   for (int i = threadIdx.x; i < vecs; i += blockDim.x) {
     const int h = i * VEC / head_size;
     const int d = i * VEC % head_size;
@@ -60,8 +60,8 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
     check_slot_mapping_values("reshape_and_cache", slot_mapping.cpu(), args.geo.num_slots());
   }
   if (args.num_tokens == 0) return;
-  check_cache_alignment("reshape_and_cache", "key_cache", key_cache);
-  check_cache_alignment("reshape_and_cache", "value_cache", value_cache);
+  check_cache_alignment("reshape_and_cache", "key_cache", key_cache, args.geo.block_stride);
+  check_cache_alignment("reshape_and_cache", "value_cache", value_cache, args.geo.block_stride);
   const c10::cuda::CUDAGuard guard(key.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   PAGEDSPEC_DISPATCH_ACTIVATION(key.scalar_type(), "reshape_and_cache", "key", [&] {
@@ -72,8 +72,9 @@ void reshape_and_cache_cuda(const at::Tensor& key, const at::Tensor& value, at::
                                                                   value_cache, slot_mapping, args);
       constexpr int kVec = kVec16<in_t>;
       // 16-byte loads need every row start aligned; otherwise fall back to scalar accesses. (The
-      // caches start 16-byte aligned, checked above, and a slot is a multiple of kVec elements
-      // when head_size is, so the cache side of a vector access is aligned too.)
+      // caches start 16-byte aligned and strided blocks are 16-byte multiples apart, checked
+      // above, and a slot is a multiple of kVec elements when head_size is, so the cache side of
+      // a vector access is aligned too.)
       const bool vectorizable =
           args.geo.head_size % kVec == 0 && p.key_token_stride % kVec == 0 &&
           p.key_head_stride % kVec == 0 && p.value_token_stride % kVec == 0 &&
@@ -110,7 +111,8 @@ __global__ void __launch_bounds__(kThreads)
   if (src < 0 || src >= num_blocks || dst < 0 || dst >= num_blocks) return;
   for (void* base : {p.key_caches[layer], p.value_caches[layer]}) {
     char* bytes = static_cast<char*>(base);
-    copy_block_bytes<VecT>(bytes + src * p.block_bytes, bytes + dst * p.block_bytes, p.block_bytes);
+    copy_block_bytes<VecT>(bytes + src * p.block_stride_bytes, bytes + dst * p.block_stride_bytes,
+                           p.block_bytes);
   }
 }
 
@@ -123,12 +125,16 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
                                args.num_blocks, /*forbid_aliasing=*/true);
   }
   const int64_t layers = static_cast<int64_t>(key_caches.size());
-  // The uint4 path (block_bytes % 16 == 0) needs each cache's base 16-byte aligned.
+  // The uint4 path (block_bytes % 16 == 0) needs each cache's base and block stride 16-byte
+  // aligned.
   for (int64_t l = 0; l < layers; ++l) {
-    check_cache_alignment("copy_blocks", "key_caches[" + std::to_string(l) + "]", key_caches[l]);
+    check_cache_alignment("copy_blocks", "key_caches[" + std::to_string(l) + "]", key_caches[l],
+                          args.block_stride);
     check_cache_alignment("copy_blocks", "value_caches[" + std::to_string(l) + "]",
-                          value_caches[l]);
+                          value_caches[l], args.block_stride);
   }
+  const int64_t block_stride_bytes =
+      args.block_stride * static_cast<int64_t>(key_caches[0].element_size());
   const c10::cuda::CUDAGuard guard(key_caches[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // Layer pointers travel in the kernel's parameters: one launch per kCopyBlocksMaxLayers layers.
@@ -142,6 +148,7 @@ void copy_blocks_cuda(at::TensorList key_caches, at::TensorList value_caches,
     p.block_mapping = block_mapping.const_data_ptr<int64_t>();
     p.num_pairs = block_mapping.size(0);
     p.block_bytes = args.block_bytes;
+    p.block_stride_bytes = block_stride_bytes;
     const dim3 grid(static_cast<unsigned>(p.num_pairs), static_cast<unsigned>(p.num_layers));
     if (args.block_bytes % 16 == 0) {
       copy_blocks_kernel<uint4><<<grid, kThreads, 0, stream>>>(p, args.num_blocks);
@@ -160,7 +167,8 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t src = p.block_mapping[2 * pair];
   const int64_t dst = p.block_mapping[2 * pair + 1];
   if (src < 0 || src >= src_blocks || dst < 0 || dst >= dst_blocks) return;
-  copy_block_bytes<VecT>(p.src + src * p.block_bytes, p.dst + dst * p.block_bytes, p.block_bytes);
+  copy_block_bytes<VecT>(p.src + src * p.src_block_stride, p.dst + dst * p.dst_block_stride,
+                         p.block_bytes);
 }
 
 // Device-visible address of a tensor: itself on the GPU, its mapped alias if pinned host memory.
@@ -193,11 +201,13 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
   char* d = static_cast<char*>(dst.data_ptr());
 
   if (block_mapping.is_cpu()) {
-    // The host knows the mapping: one async copy per run of consecutive blocks. The pairs are
+    // The host knows the mapping: one async copy per run of consecutive blocks (a 2-D copy of
+    // `run` rows of block_bytes when either side's blocks are strided). The pairs are
     // independent (checked), so a merged run's src and dst ranges never overlap.
     check_block_mapping_values(op, block_mapping, src.size(0), dst.size(0),
                                /*forbid_aliasing=*/false);
-    check_swap_pairs_independent(op, block_mapping, src, dst, args.block_bytes);
+    check_swap_pairs_independent(op, block_mapping, src, dst, args.block_bytes,
+                                 args.src_block_stride, args.dst_block_stride);
     const int64_t* map = block_mapping.const_data_ptr<int64_t>();
     for (int64_t j = 0; j < n;) {
       int64_t run = 1;
@@ -205,9 +215,16 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
              map[2 * (j + run) + 1] == map[2 * j + 1] + run) {
         ++run;
       }
-      C10_CUDA_CHECK(cudaMemcpyAsync(d + map[2 * j + 1] * args.block_bytes,
-                                     s + map[2 * j] * args.block_bytes, run * args.block_bytes,
-                                     cudaMemcpyDefault, stream));
+      char* run_dst = d + map[2 * j + 1] * args.dst_block_stride;
+      const char* run_src = s + map[2 * j] * args.src_block_stride;
+      if (args.src_block_stride == args.block_bytes && args.dst_block_stride == args.block_bytes) {
+        C10_CUDA_CHECK(cudaMemcpyAsync(run_dst, run_src, run * args.block_bytes,
+                                       cudaMemcpyDefault, stream));
+      } else {
+        C10_CUDA_CHECK(cudaMemcpy2DAsync(run_dst, args.dst_block_stride, run_src,
+                                         args.src_block_stride, args.block_bytes, run,
+                                         cudaMemcpyDefault, stream));
+      }
       j += run;
     }
     return;
@@ -221,7 +238,8 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
     const at::Tensor mapping_cpu = block_mapping.cpu();
     check_block_mapping_values(op, mapping_cpu, src.size(0), dst.size(0),
                                /*forbid_aliasing=*/false);
-    check_swap_pairs_independent(op, mapping_cpu, src, dst, args.block_bytes);
+    check_swap_pairs_independent(op, mapping_cpu, src, dst, args.block_bytes,
+                                 args.src_block_stride, args.dst_block_stride);
   }
   SwapBlocksParams p{};
   p.src = static_cast<const char*>(device_address(src, "src"));
@@ -229,7 +247,11 @@ void swap_blocks_cuda(const at::Tensor& src, at::Tensor& dst, const at::Tensor& 
   p.block_mapping = block_mapping.const_data_ptr<int64_t>();
   p.num_pairs = n;
   p.block_bytes = args.block_bytes;
-  const bool vec16 = args.block_bytes % 16 == 0 && is_aligned(p.src, 16) && is_aligned(p.dst, 16);
+  p.src_block_stride = args.src_block_stride;
+  p.dst_block_stride = args.dst_block_stride;
+  const bool vec16 = args.block_bytes % 16 == 0 && args.src_block_stride % 16 == 0 &&
+                     args.dst_block_stride % 16 == 0 && is_aligned(p.src, 16) &&
+                     is_aligned(p.dst, 16);
   if (vec16) {
     swap_blocks_kernel<uint4><<<n, kThreads, 0, stream>>>(p, src.size(0), dst.size(0));
   } else {

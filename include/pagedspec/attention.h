@@ -116,8 +116,8 @@ template <typename QT, typename CacheT>
 struct PagedAttentionParams {
   QT* out;                    // [T, Hq, D]; strides out_token_stride, out_head_stride, 1
   const QT* query;            // [T, Hq, D]; strides q_token_stride, q_head_stride, 1
-  const CacheT* key_cache;    // [NB, BS, Hkv, D], contiguous
-  const CacheT* value_cache;  // [NB, BS, Hkv, D], contiguous
+  const CacheT* key_cache;    // [NB, BS, Hkv, D]; blocks cache_block_stride apart, else dense
+  const CacheT* value_cache;  // [NB, BS, Hkv, D]; same strides as key_cache
   const int* block_tables;    // [B, M]; block id of position p of sequence i: [i, p / BS]
   const int* seq_lens;        // [B]; KV length of each sequence, query tokens included
   const int* cu_seqlens_q;    // [B + 1]; sequence i owns query tokens [cu[i], cu[i+1])
@@ -141,6 +141,7 @@ struct PagedAttentionParams {
   int64_t out_token_stride;   // out.stride(0), elements
   int64_t out_head_stride;    // out.stride(1), elements
   int64_t num_blocks;         // NB: key_cache.size(0)
+  int64_t cache_block_stride; // key_cache.stride(0), elements (>= BS * Hkv * D)
   int num_tokens;             // T: query.size(0)
   int num_seqs;               // B: seq_lens.size(0)
   int num_heads;              // Hq: query.size(1)
@@ -157,17 +158,21 @@ struct PagedAttentionParams {
 
   PS_HOST_DEVICE int group_size() const { return num_heads / num_kv_heads; }
   PS_HOST_DEVICE int64_t cache_token_stride() const { return int64_t(num_kv_heads) * head_size; }
-  // Cache element offset of (position, KV head) of sequence `seq`, through the block table.
-  // Cache slot of position `pos` of sequence `seq`. The block id is clamped into the cache: ids
-  // are validated on the host (always on CPU, with PAGEDSPEC_DEBUG=1 on CUDA), and an unchecked
-  // bad id must not make a kernel read outside the cache.
-  PS_HOST_DEVICE int64_t slot(int seq, int pos) const {
-    int block = block_tables[int64_t(seq) * max_blocks_per_seq + (pos >> block_shift)];
-    block = block < 0 ? 0 : (block >= num_blocks ? int(num_blocks - 1) : block);
-    return (int64_t(block) << block_shift) + (pos & (block_size - 1));
+  // Cache block of position `pos` of sequence `seq`, through the block table. The id is clamped
+  // into the cache: ids are validated on the host (always on CPU, with PAGEDSPEC_DEBUG=1 on
+  // CUDA), and an unchecked bad id must not make a kernel read outside the cache.
+  PS_HOST_DEVICE int block(int seq, int pos) const {
+    const int b = block_tables[int64_t(seq) * max_blocks_per_seq + (pos >> block_shift)];
+    return b < 0 ? 0 : (b >= num_blocks ? int(num_blocks - 1) : b);
   }
+  // Slot (block * BS + offset: the attn_mass index) of position `pos` of sequence `seq`.
+  PS_HOST_DEVICE int64_t slot(int seq, int pos) const {
+    return (int64_t(block(seq, pos)) << block_shift) + (pos & (block_size - 1));
+  }
+  // Cache element offset of (position, KV head) of sequence `seq`.
   PS_HOST_DEVICE int64_t cache_offset(int seq, int pos, int kv_head) const {
-    return slot(seq, pos) * cache_token_stride() + int64_t(kv_head) * head_size;
+    return int64_t(block(seq, pos)) * cache_block_stride +
+           int64_t(pos & (block_size - 1)) * cache_token_stride() + int64_t(kv_head) * head_size;
   }
 };
 

@@ -9,24 +9,30 @@
 namespace pagedspec {
 
 // Paged cache geometry, shared by every op that touches key_cache / value_cache.
-// A cache is [num_blocks, block_size, num_kv_heads, head_size], contiguous.
+// A cache is [num_blocks, block_size, num_kv_heads, head_size]: each block dense, blocks
+// block_stride elements apart (one block's elements for a contiguous cache, more for a view of
+// larger per-block pages). key_cache and value_cache share the geometry.
 struct CacheGeometry {
-  int64_t num_blocks;  // cache.size(0)
-  int block_size;      // cache.size(1): tokens per block
-  int num_kv_heads;    // cache.size(2)
-  int head_size;       // cache.size(3)
+  int64_t num_blocks;    // cache.size(0)
+  int block_size;        // cache.size(1): tokens per block
+  int num_kv_heads;      // cache.size(2)
+  int head_size;         // cache.size(3)
+  int64_t block_stride;  // cache.stride(0), elements: >= block_size * slot_stride()
 
   PS_HOST_DEVICE int64_t slot_stride() const { return int64_t(num_kv_heads) * head_size; }
-  PS_HOST_DEVICE int64_t block_stride() const { return slot_stride() * block_size; }
   PS_HOST_DEVICE int64_t num_slots() const { return num_blocks * block_size; }
+  // Element offset of slot `slot` (block slot / block_size, token slot % block_size).
+  PS_HOST_DEVICE int64_t slot_offset(int64_t slot) const {
+    return (slot / block_size) * block_stride + (slot % block_size) * slot_stride();
+  }
 };
 
 template <typename InT, typename CacheT>
 struct ReshapeAndCacheParams {
   const InT* key;             // [num_tokens, num_kv_heads, head_size], strides below
   const InT* value;           // [num_tokens, num_kv_heads, head_size], strides below
-  CacheT* key_cache;          // [num_blocks, block_size, num_kv_heads, head_size]
-  CacheT* value_cache;        // [num_blocks, block_size, num_kv_heads, head_size]
+  CacheT* key_cache;          // [num_blocks, block_size, num_kv_heads, head_size]; geo
+  CacheT* value_cache;        // [num_blocks, block_size, num_kv_heads, head_size]; geo
   const int64_t* slot_mapping;  // [num_tokens]; -1 = skip (padding)
   ScaleRef k_scale;           // [] or [num_kv_heads]; FP8 caches only
   ScaleRef v_scale;           // [] or [num_kv_heads]; FP8 caches only
@@ -49,16 +55,19 @@ struct CopyBlocksParams {
   int num_layers;                // <= kCopyBlocksMaxLayers in this launch
   int64_t num_pairs;             // block_mapping.size(0)
   int64_t block_bytes;           // bytes of one block of one cache
+  int64_t block_stride_bytes;    // bytes from one block to the next (>= block_bytes), every cache
 };
 
 // swap_blocks: src and dst are addressable from the device (device memory or mapped pinned host
-// memory), with the same block size in bytes.
+// memory), with the same block size in bytes; each has its own block stride.
 struct SwapBlocksParams {
-  const char* src;               // [src_num_blocks, ...] bytes
-  char* dst;                     // [dst_num_blocks, ...] bytes
+  const char* src;               // [src_num_blocks, ...]; block b at src + b * src_block_stride
+  char* dst;                     // [dst_num_blocks, ...]; block b at dst + b * dst_block_stride
   const int64_t* block_mapping;  // [num_pairs, 2] (src, dst) block ids
   int64_t num_pairs;             // block_mapping.size(0)
   int64_t block_bytes;           // bytes of one block
+  int64_t src_block_stride;      // bytes, >= block_bytes
+  int64_t dst_block_stride;      // bytes, >= block_bytes
 };
 
 // quantize_fp8 / dequantize_fp8 over a contiguous tensor viewed as [rows, num_heads, head_size]

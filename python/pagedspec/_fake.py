@@ -111,10 +111,43 @@ def _scale(op, name, scale: Optional[torch.Tensor], num_heads, device) -> None:
     _check(scale.is_contiguous(), op, f"{name} must be contiguous")
 
 
-def _cache_tensor(op, name, cache) -> None:
+def _block_strided(op, name, t) -> int:
+    """csrc/checks.h check_block_strided: dense but for the block dimension, whose stride is at
+    least one block. Returns the block stride in elements."""
+    block = 1
+    for d in range(t.dim() - 1, 0, -1):
+        _check(t.size(d) == 1 or t.stride(d) == block, op,
+               lambda: f"{name} must be contiguous in every dimension but the first (block) one, "
+               f"got strides {list(t.stride())} for shape {_shape(t)}")
+        block *= t.size(d)
+    if t.dim() == 0 or t.size(0) <= 1:
+        return block
+    _check(t.stride(0) >= block, op,
+           lambda: f"{name}.stride(0) (block stride) must be at least one block's elements "
+           f"({block}) so that blocks do not overlap, got strides {list(t.stride())} for shape "
+           f"{_shape(t)}")
+    return t.stride(0)
+
+
+def _cache_tensor(op, name, cache) -> int:
     _dim(op, name, cache, 4)
-    _contiguous(op, name, cache)
+    stride = _block_strided(op, name, cache)
     _dtype(op, name, cache, _CACHE)
+    return stride
+
+
+def _cache_pair(op, key_cache, value_cache) -> None:
+    """csrc/checks.h check_cache_pair."""
+    _dim(op, "key_cache", key_cache, 4)
+    _dim(op, "value_cache", value_cache, 4)
+    _block_strided(op, "key_cache", key_cache)
+    _block_strided(op, "value_cache", value_cache)
+    _dtype(op, "key_cache", key_cache, _CACHE)
+    _same_dtype(op, "value_cache", value_cache, "key_cache", key_cache)
+    _exact_shape(op, "value_cache", value_cache, key_cache.shape)
+    _check(value_cache.size(0) <= 1 or value_cache.stride(0) == key_cache.stride(0), op,
+           lambda: f"value_cache.stride(0) (block stride) must equal key_cache's "
+           f"({key_cache.stride(0)}), got {value_cache.stride(0)}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -130,10 +163,7 @@ def _reshape_and_cache_fake(key, value, key_cache, value_cache, slot_mapping, k_
     _same_dtype(op, "value", value, "key", key)
     _dim(op, "key", key, 3)
     _exact_shape(op, "value", value, key.shape)
-    _cache_tensor(op, "key_cache", key_cache)
-    _cache_tensor(op, "value_cache", value_cache)
-    _exact_shape(op, "value_cache", value_cache, key_cache.shape)
-    _same_dtype(op, "value_cache", value_cache, "key_cache", key_cache)
+    _cache_pair(op, key_cache, value_cache)
     _size(op, "key", key, 1, key_cache.size(2), "num_kv_heads of key_cache")
     _size(op, "key", key, 2, key_cache.size(3), "head_size of key_cache")
     _check(key.stride(2) == 1 and value.stride(2) == 1, op,
@@ -172,14 +202,16 @@ def _copy_blocks_fake(key_caches: Sequence[torch.Tensor], value_caches: Sequence
     if not key_caches:
         return
     ref = key_caches[0]
-    _cache_tensor(op, "key_caches[0]", ref)
+    stride = _cache_tensor(op, "key_caches[0]", ref)
     for i, (k, v) in enumerate(zip(key_caches, value_caches)):
-        for name, t in (("key_caches[i]", k), ("value_caches[i]", v)):
+        for name, t in ((f"key_caches[{i}]", k), (f"value_caches[{i}]", v)):
             _check(t.shape == ref.shape and t.dtype == ref.dtype and t.device == ref.device, op,
-                   lambda: f"{name} for i={i} must match key_caches[0] (shape {_shape(ref)}, "
+                   lambda: f"{name} must match key_caches[0] (shape {_shape(ref)}, "
                    f"{_name(ref.dtype)}, {ref.device}), got shape {_shape(t)}, "
                    f"{_name(t.dtype)}, {t.device}")
-            _contiguous(op, name, t)
+            _check(_block_strided(op, name, t) == stride, op,
+                   lambda: f"{name}.stride(0) (block stride) must equal key_caches[0]'s "
+                   f"({stride}), got {t.stride(0)}")
     _same_device(op, "block_mapping", block_mapping, "key_caches[0]", ref)
 
 
@@ -187,8 +219,9 @@ def _swap_blocks_fake(src, dst, block_mapping) -> None:
     op = "swap_blocks"
     _no_meta_mix(op, dict(src=src, dst=dst, block_mapping=block_mapping))
     _check(src.dim() >= 1, op, "src must have at least 1 dimension")
-    _contiguous(op, "src", src)
-    _contiguous(op, "dst", dst)
+    _block_strided(op, "src", src)
+    _check(dst.dim() >= 1, op, "dst must have at least 1 dimension")
+    _block_strided(op, "dst", dst)
     _same_dtype(op, "dst", dst, "src", src)
     _check(src.dim() == dst.dim() and src.shape[1:] == dst.shape[1:], op,
            lambda: f"dst must have the same block shape as src ({_shape(src)} vs {_shape(dst)}); "
@@ -224,12 +257,7 @@ def _attention_fake(op, out, query, key_cache, value_cache, block_tables, seq_le
     _same_dtype(op, "out", out, "query", query)
     _exact_shape(op, "out", out, query.shape)
     _last_dim_contiguous(op, "out", out)
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
-        _dim(op, name, cache, 4)
-        _contiguous(op, name, cache)
-    _dtype(op, "key_cache", key_cache, _CACHE)
-    _same_dtype(op, "value_cache", value_cache, "key_cache", key_cache)
-    _exact_shape(op, "value_cache", value_cache, key_cache.shape)
+    _cache_pair(op, key_cache, value_cache)
     fp8 = key_cache.dtype in _FP8
     _check(fp8 or key_cache.dtype == query.dtype, op,
            lambda: f"key_cache must have query's dtype ({_name(query.dtype)}) or an FP8 dtype "

@@ -116,12 +116,16 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
         raise ValueError("swap_blocks: a dst block repeats")
     block_bytes = src[0].nbytes if src.shape[0] else 0
     if src.device == dst.device and block_bytes:
+        # Blocks may be strided views (contract extension): block b starts at b * stride(0).
+        src_step, dst_step = src.stride(0) * src.element_size(), dst.stride(0) * dst.element_size()
         src_start, dst_start = src.data_ptr(), dst.data_ptr()
-        if src_start < dst_start + dst.nbytes and dst_start < src_start + src.nbytes:
+        src_end = src_start + (src.shape[0] - 1) * src_step + block_bytes
+        dst_end = dst_start + (dst.shape[0] - 1) * dst_step + block_bytes if dst.shape[0] else 0
+        if src_start < dst_end and dst_start < src_end:
             for s, _ in pairs:
-                a = src_start + s * block_bytes  # src block s's bytes: [a, a + block_bytes)
+                a = src_start + s * src_step  # src block s's bytes: [a, a + block_bytes)
                 for d in dsts:
-                    b = dst_start + d * block_bytes
+                    b = dst_start + d * dst_step
                     if a < b + block_bytes and b < a + block_bytes:
                         raise ValueError(f"swap_blocks: src block {s} overlaps dst block {d}")
     for s, d in pairs:
@@ -149,11 +153,9 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     probability per slot, summed over heads and query tokens, into ``attn_mass``. ``max_q_len`` is
     only a bound; the lengths come from ``cu_seqlens_q``.
     """
-    num_heads, head_size = query.shape[1], query.shape[2]
+    num_heads = query.shape[1]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    flat_k = key_cache.view(-1, num_kv_heads, head_size)  # [NB * BS, Hkv, D]
-    flat_v = value_cache.view(-1, num_kv_heads, head_size)
     cu = cu_seqlens_q.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         first, last = cu[i], cu[i + 1]
@@ -161,9 +163,11 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         if q_len == 0:
             continue
         positions = torch.arange(seq_len, device=query.device)
-        slots = block_tables[i].long()[positions // block_size] * block_size + positions % block_size
-        k = dequantize_cache(flat_k[slots], k_scale)  # [S, Hkv, D] float32
-        v = dequantize_cache(flat_v[slots], v_scale)
+        blocks = block_tables[i].long()[positions // block_size]
+        offsets = positions % block_size
+        slots = blocks * block_size + offsets
+        k = dequantize_cache(key_cache[blocks, offsets], k_scale)  # [S, Hkv, D] float32
+        v = dequantize_cache(value_cache[blocks, offsets], v_scale)
         k = k.repeat_interleave(group, dim=1)  # [S, Hq, D]: head h reads KV head h // group
         v = v.repeat_interleave(group, dim=1)
         for j in range(q_len):
