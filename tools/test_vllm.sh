@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-$PWD/.venv-vllm}"
 export VENV
+mkdir -p build
 
 start=$(date +%s)
 bash bench/peers/setup_vllm_cpu.sh > build/setup_vllm.log 2>&1 || {

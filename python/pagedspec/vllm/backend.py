@@ -126,12 +126,16 @@ class PagedSpecAttentionImpl(AttentionImpl):
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
         self._cache_dtype: torch.dtype | None = None  # from the first forward's query dtype
+        self._views = None  # (kv_cache's identity, (K, V)): made once per cache tensor
 
     def _caches(self, kv_cache: torch.Tensor, model_dtype: torch.dtype):
         if self._cache_dtype is None:
             self._cache_dtype = layer_ops.cache_dtype(self.kv_cache_dtype, model_dtype)
-        return layer_ops.kv_cache_views(kv_cache, self.num_kv_heads, self.head_size,
-                                        self._cache_dtype)
+        key = (kv_cache.data_ptr(), tuple(kv_cache.shape), kv_cache.stride(), kv_cache.dtype)
+        if self._views is None or self._views[0] != key:
+            self._views = (key, layer_ops.kv_cache_views(kv_cache, self.num_kv_heads,
+                                                         self.head_size, self._cache_dtype))
+        return self._views[1]
 
     def _scales(self, layer):
         return (layer_ops.scale_tensor(getattr(layer, "_k_scale", None), self._cache_dtype),
