@@ -176,3 +176,24 @@ def test_bfloat16_and_fp8_caches(models, dtype, kv_cache_dtype, atol, steps):
     theirs = _generate(models["llama"], "CPU_ATTN", dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                        passes=1)
     _assert_same(ours, theirs, atol=atol, steps=steps)
+
+
+def test_importing_pagedspec_does_not_import_vllm():
+    import subprocess
+    import sys
+
+    code = "import sys, pagedspec, pagedspec.vllm; assert 'vllm' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_unsupported_vllm_version_fails_clearly(monkeypatch):
+    import importlib
+    import sys
+
+    import pagedspec.vllm as plugin
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    assert plugin.cpu_platform() is None
+    sys.modules.pop("pagedspec.vllm.unsupported", None)
+    with pytest.raises(ImportError, match=r"supports vLLM 0\.32\.x, found vLLM 0\.99\.0"):
+        importlib.import_module("pagedspec.vllm.unsupported")
