@@ -170,16 +170,18 @@ def test_negative_control_diverges(models, stock):
     assert differing >= len(broken[0]) - 1, "dropping the context did not change the tokens"
 
 
-@pytest.mark.parametrize("dtype, kv_cache_dtype, atol, steps", [("bfloat16", "auto", 0.1, MAX_TOKENS),
-                                                                 ("bfloat16", "fp8_e4m3", 0.3, 1)])
+@pytest.mark.parametrize("dtype, kv_cache_dtype, atol, steps",
+                         [("bfloat16", "auto", 0.1, MAX_TOKENS), ("bfloat16", "fp8_e4m3", 0.3, 1),
+                          ("bfloat16", "fp8_e5m2", 0.6, 1)])
 def test_bfloat16_and_fp8_caches(models, dtype, kv_cache_dtype, atol, steps):
     """bfloat16 activations: the same greedy tokens. Logprobs differ by more than in float32:
     vLLM's AMX kernel multiplies bfloat16 probabilities (2^-8 relative each) where pagedspec keeps
     them in float32, and the lm_head scaled 8x turns that into ~0.03 (measured) on logits of ~10.
-    e4m3 caches (scale 1.0): vLLM dequantizes to bfloat16 before its products, measured 0.17 on
-    the logprobs, enough to flip a near-tie later in a greedy sequence (seen at steps 2 and 4), so
-    only the first step (the prefill, which reads its K/V back from the FP8 cache) must agree. The bounds
-    catch a wrong context (the negative control moves logprobs by > 1)."""
+    FP8 caches (scale 1.0): vLLM's FP8 attention is 2-4% of the largest output off the exact
+    result (bench/peers/compare.py), which moved the logprobs by up to 0.17 (e4m3) and 0.32
+    (e5m2, one mantissa bit fewer, so twice the bound) and flipped near-ties later in greedy
+    sequences (seen at steps 2 and 4): only the first step (the prefill, which reads its K/V back
+    from the FP8 cache) must agree."""
     ours = _generate(models["llama"], "CUSTOM", dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                      passes=1)
     theirs = _generate(models["llama"], "CPU_ATTN", dtype=dtype, kv_cache_dtype=kv_cache_dtype,
