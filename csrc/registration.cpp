@@ -14,6 +14,7 @@
 #include <iterator>
 
 #include "attention_checks.h"
+#include "cpu/amx.h"
 #include "cpu/isa.h"
 
 #include <cstring>
@@ -209,8 +210,14 @@ static PyObject* cpu_isa_in_use(PyObject*, PyObject*) {
   }
 }
 
+// _C.cpu_amx(): whether the avx512 level's attention uses AMX tile multiplies now.
+static PyObject* cpu_amx_in_use(PyObject*, PyObject*) {
+  return PyBool_FromLong(pagedspec::amx_available() ? 1 : 0);
+}
+
 static PyMethodDef kMethods[] = {
     {"cpu_isa", cpu_isa_in_use, METH_NOARGS, "The CPU kernels' ISA level in use."},
+    {"cpu_amx", cpu_amx_in_use, METH_NOARGS, "Whether CPU attention uses AMX now."},
     {nullptr, nullptr, 0, nullptr}};
 
 extern "C" PyMODINIT_FUNC PyInit__C(void) {

@@ -29,8 +29,47 @@ def level(request, monkeypatch):
     return request.param
 
 
+HAS_AMX = INFO["cpu_amx"]
+
+
+@pytest.mark.parametrize("amx", ["1", "0"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("q_lens, seq_lens, heads", [([5, 5, 5], [5, 48, 513], (32, 8)),
+                                                     ([2, 9, 1], [33, 700, 64], (8, 1)),
+                                                     ([3, 1, 4], [300, 17, 95], (16, 2))])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_amx_path_matches_reference(gen, monkeypatch, amx, variant, q_lens, seq_lens, heads,
+                                    head_size):
+    """bf16 rows of 8 or more per KV head run the avx512 level's AMX tile multiplies (scores from
+    exact bf16 products; weights rounded to bf16 for P.V, 2^-9 relative, inside bf16 output's
+    tolerance) or, with PAGEDSPEC_CPU_AMX=0, the FMA path: both against the reference."""
+    if amx == "1" and not HAS_AMX:
+        pytest.skip("this CPU (or OS) has no AMX-BF16")
+    if "avx512" not in INFO["cpu_isa_supported"]:
+        pytest.skip("the AMX path is part of the avx512 level")
+    monkeypatch.setenv("PAGEDSPEC_CPU_AMX", amx)
+    assert pagedspec._C.cpu_amx() == (amx == "1")
+    case = Case(gen, seq_lens=seq_lens, q_lens=q_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                head_size=head_size, block_size=16, dtype=torch.bfloat16)
+    check_case(case, VARIANTS[variant], lse=True, mass=(variant == "v1"))
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="this CPU (or OS) has no AMX-BF16")
+def test_amx_path_is_taken(gen, monkeypatch):
+    """The two paths round differently, so equal outputs would mean AMX never ran."""
+    case = Case(gen, seq_lens=[700, 1100], q_lens=[5, 8], num_heads=32, num_kv_heads=8,
+                head_size=128, block_size=16, dtype=torch.bfloat16)
+    monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "1")
+    with_amx, _, _ = case.run(ops.paged_attention)
+    monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")
+    without, _, _ = case.run(ops.paged_attention)
+    assert not torch.equal(with_amx, without)
+    torch.testing.assert_close(with_amx.float(), without.float(), rtol=1.6e-2, atol=1.6e-2)
+
+
 def test_levels_are_reported(monkeypatch):
     assert INFO["cpu_isa_levels"] == ["baseline", "avx2", "avx512"]
+    assert isinstance(INFO["cpu_amx"], bool)
     assert "baseline" in INFO["cpu_isa_supported"]
     monkeypatch.delenv("PAGEDSPEC_CPU_ISA", raising=False)
     assert pagedspec.build_info()["cpu_isa"] == INFO["cpu_isa_supported"][-1], \

@@ -27,6 +27,10 @@ namespace {
 constexpr int kTile = 32;      // positions decoded and scored together
 constexpr int kMaxRows = kCpuAttentionRows;  // query rows (tokens x heads of a group) per task
 constexpr int kMassTile = 256; // positions per attn_mass task
+// Rows from which the AVX-512 level scores bf16 tiles with AMX tile multiplies (cpu/amx.h): a
+// tile multiply computes 16 rows whatever the count, so below this the FMA path is as fast.
+constexpr int kAmxMinRows = 8;
+static_assert(kTile == kAmxTilePositions, "amx_accumulate takes one whole tile of values");
 // Key rows per score block: with 4 query rows, 16 (AVX-512, baseline) or 8 (AVX2: 16 registers)
 // accumulators.
 constexpr int kScoreTokens = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 4;
@@ -147,6 +151,8 @@ class CpuPagedAttention {
   // Per-thread scratch, sized once per parallel_for chunk.
   struct Workspace {
     std::vector<float> q, acc, w;
+    std::vector<uint16_t> q_vnni;  // the AMX path's query rows (amx_pack_queries), if taken
+    bool amx = false;              // this task's scores come from amx_scores
     std::vector<RowInfo> rows;
     std::vector<SoftmaxState> state;
     std::vector<int> visible;
@@ -159,6 +165,47 @@ class CpuPagedAttention {
         : q(size_t(kMaxRows) * D), acc(size_t(kMaxRows) * D), w(size_t(kMaxRows) * kTile),
           rows(kMaxRows), state(kMaxRows), visible(kMaxRows) {}
   };
+
+  // The AMX score path: bf16 queries and caches on the AVX-512 level, with enough rows per key.
+  static constexpr bool kAmxCapable = PAGEDSPEC_CPU_LEVEL == 2 && F == CacheFormat::kNative &&
+                                      std::is_same_v<QT, c10::BFloat16> &&
+                                      std::is_same_v<CacheT, c10::BFloat16>;
+  bool use_amx(int R) const {
+    if constexpr (kAmxCapable) {
+      return R >= kAmxMinRows && p_.head_size % kAmxDims == 0 && amx_available();
+    } else {
+      return false;
+    }
+  }
+
+  // Packs the task's query rows for amx_scores (unscaled bf16: the scale is applied to the
+  // float32 scores, so the products are exact as on the FMA path) and configures the tiles.
+  void begin_amx(Workspace& ws, int R) const {
+    const uint16_t* rows[kMaxRows];
+    for (int r = 0; r < R; ++r) {
+      rows[r] = reinterpret_cast<const uint16_t*>(p_.query + int64_t(ws.rows[r].token) * p_.q_token_stride +
+                                                  int64_t(ws.rows[r].head) * p_.q_head_stride);
+    }
+    ws.q_vnni.resize(size_t(kMaxRows) * p_.head_size);
+    amx_pack_queries(rows, R, p_.head_size, ws.q_vnni.data());
+    amx_begin();
+  }
+
+  // score_tile through amx_scores, 16 positions per call, with the same prefetches.
+  void score_tile_amx(int R, Workspace& ws, int n, bool want_values) const {
+    const int D = p_.head_size;
+    const int row_bytes = D * int(sizeof(CacheT));
+    const float q_scale = p_.scale * kLog2e;
+    for (int t0 = 0; t0 < n; t0 += kAmxPositions) {
+      const int count = std::min(kAmxPositions, n - t0);
+      for (int i = t0; i < t0 + count; ++i) {
+        if (want_values) prefetch_row(ws.vrows[i], row_bytes);
+        if (ws.next_krows[i] != nullptr) prefetch_row(ws.next_krows[i], row_bytes);
+      }
+      amx_scores(ws.q_vnni.data(), R, reinterpret_cast<const uint16_t* const*>(ws.krows + t0),
+                 count, D, q_scale, ws.w.data() + t0, kTile);
+    }
+  }
 
   // The factor an FP8 cache's images are read with (scale x CacheReader::kImage; 1 for a
   // native cache): folded into the query for K, into the output for V.
@@ -256,6 +303,8 @@ class CpuPagedAttention {
     const int D = p_.head_size;
     const int R = task.num_rows;
     load_queries(task, ws);
+    ws.amx = use_amx(R);
+    if (ws.amx) begin_amx(ws, R);
     ws.kreader.init();
     ws.vreader.init();
     std::fill(ws.acc.begin(), ws.acc.begin() + size_t(R) * D, 0.0f);
@@ -268,7 +317,11 @@ class CpuPagedAttention {
       if (start == task.pos_begin) {
         for (int t = 0; t < n; ++t) prefetch_row(ws.krows[t], D * int(sizeof(CacheT)));
       }
-      score_tile(R, ws, true);
+      if (ws.amx) {
+        score_tile_amx(R, ws, n, true);
+      } else {
+        score_tile(R, ws, true);
+      }
       // Online softmax per row over the positions it sees (scores past its limit are left unread).
       for (int r = 0; r < R; ++r) {
         const int visible = ws.visible[r];
@@ -282,8 +335,17 @@ class CpuPagedAttention {
           st.sum += exp2_weights(w, visible, st.max);
         }
       }
-      for (int r0 = 0; r0 < R; r0 += 4) accumulate_rows(ws, r0, std::min(4, R - r0));
+      if (ws.amx && n == kTile && ws.visible[0] == kTile) {
+        // Every row sees the whole tile (rows ascend, so the first sees the least): no position
+        // is past a row's limit, so the tile multiply may take them all (the causal tail and
+        // partial tiles stay on the FMA path, which accumulates per visible segment).
+        amx_accumulate(ws.w.data(), kTile, R, reinterpret_cast<const uint16_t* const*>(ws.vrows),
+                       D, ws.acc.data());
+      } else {
+        for (int r0 = 0; r0 < R; r0 += 4) accumulate_rows(ws, r0, std::min(4, R - r0));
+      }
     }
+    if (ws.amx) amx_end();
   }
 
   // acc[r] += sum over the positions row r sees of w[r][t] * v[t], for rows r0 .. r0 + nr - 1.

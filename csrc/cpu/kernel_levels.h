@@ -17,6 +17,7 @@
 
 #include "attention_checks.h"
 #include "cache_checks.h"
+#include "cpu/amx.h"
 #include "cpu/cpu_types.h"
 #include "cpu/isa.h"
 #include "fp8_checks.h"

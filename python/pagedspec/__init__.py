@@ -26,7 +26,9 @@ def build_info() -> dict:
     GPU can be used now), ``attention_head_sizes`` (the head sizes the attention kernels are
     built for), ``cpu_isa_levels`` (the x86 levels the CPU kernels are built for),
     ``cpu_isa_supported`` (those this CPU runs) and ``cpu_isa`` (the one in use: the best
-    supported, or ``PAGEDSPEC_CPU_ISA=baseline|avx2|avx512``).
+    supported, or ``PAGEDSPEC_CPU_ISA=baseline|avx2|avx512``) and ``cpu_amx`` (whether the
+    avx512 level's bf16 attention uses AMX tile multiplies: the CPU has AMX-BF16, the OS allows
+    it, and ``PAGEDSPEC_CPU_AMX`` is not ``0``).
     """
     with_cuda = bool(_C.with_cuda)
     return {
@@ -41,4 +43,5 @@ def build_info() -> dict:
         "cpu_isa_levels": list(_C.cpu_isa_levels),
         "cpu_isa_supported": list(_C.cpu_isa_supported),
         "cpu_isa": _C.cpu_isa(),
+        "cpu_amx": _C.cpu_amx(),
     }
