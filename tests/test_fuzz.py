@@ -58,6 +58,25 @@ def _fp8_scale(g, heads, per_head):
     return (torch.rand(heads, generator=g) * 0.5 + 0.05) if per_head else torch.tensor(0.25)
 
 
+def _layout(rng):
+    """None (contiguous caches) half the time, else the padding between pages."""
+    return None if rng.random() < 0.5 else rng.choice([0, 16])
+
+
+def _paged(layout, key_cache, value_cache):
+    """The same caches, or (layout = padding) as the K|V halves of one page per block: a strided
+    block dimension, as vLLM's layouts give them."""
+    if layout is None:
+        return key_cache, value_cache
+    nb, block = key_cache.shape[0], key_cache[0].numel()
+    pages = torch.zeros(nb, 2 * block + layout, dtype=key_cache.dtype)
+    k = pages[:, :block].unflatten(1, key_cache.shape[1:])
+    v = pages[:, block: 2 * block].unflatten(1, key_cache.shape[1:])
+    k.copy_(key_cache)
+    v.copy_(value_cache)
+    return k, v
+
+
 def valid_reshape_and_cache(g, rng):
     T, H, D, NB, BS = 4, 2, 8, 3, 4
     cache_dtype = rng.choice([torch.float32, torch.float8_e4m3fn])
@@ -68,9 +87,9 @@ def valid_reshape_and_cache(g, rng):
     if cache_dtype in FP8:
         per_head = rng.random() < 0.5
         k_scale, v_scale = _fp8_scale(g, H, per_head), _fp8_scale(g, H, per_head)
-    return dict(key=key, value=value,
-                key_cache=torch.zeros(NB, BS, H, D).to(cache_dtype),
-                value_cache=torch.zeros(NB, BS, H, D).to(cache_dtype),
+    key_cache, value_cache = _paged(_layout(rng), torch.zeros(NB, BS, H, D).to(cache_dtype),
+                                    torch.zeros(NB, BS, H, D).to(cache_dtype))
+    return dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                 slot_mapping=slots, k_scale=k_scale, v_scale=v_scale)
 
 
@@ -90,6 +109,7 @@ def valid_attention(g, rng):
         reference.quantize_fp8(value_cache, v, v_scale)
     else:
         key_cache, value_cache = k, v
+    key_cache, value_cache = _paged(_layout(rng), key_cache, value_cache)
     T = sum(q_lens)
     tables = torch.randperm(NB, generator=g)[: 2 * max_blocks].view(2, max_blocks).int()
     return dict(out=torch.zeros(T, Hq, D), query=torch.randn(T, Hq, D, generator=g),
@@ -132,8 +152,10 @@ def valid_dequantize_fp8(g, rng):
 
 def valid_copy_blocks(g, rng):
     shape = (4, 4, 2, 8)
-    return dict(key_caches=[torch.randn(shape, generator=g) for _ in range(2)],
-                value_caches=[torch.randn(shape, generator=g) for _ in range(2)],
+    layout = _layout(rng)  # one block stride for every layer
+    layers = [_paged(layout, torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+              for _ in range(2)]
+    return dict(key_caches=[k for k, _ in layers], value_caches=[v for _, v in layers],
                 block_mapping=torch.tensor([[0, 2], [1, 3]]))
 
 
