@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.model_executor.layers.attention import Attention
-from vllm.config import get_layers_from_vllm_config
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
