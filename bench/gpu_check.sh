@@ -10,6 +10,7 @@ set -uo pipefail
 OUT=${1:?usage: bench/gpu_check.sh OUT_DIR}
 cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: some steps run from a subfolder
 PY=${PYTHON:-python3}
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
@@ -49,6 +50,15 @@ if command -v compute-sanitizer > /dev/null; then
   grep -E "ERROR SUMMARY" "$OUT/memcheck.log" | xargs -I{} note "memcheck: {}"
 else
   note "memcheck: compute-sanitizer not found"
+fi
+
+# pagedspec inside vLLM, when this environment has a CUDA vLLM (tests/in_vllm registers the
+# backend itself, so the source tree is enough).
+if $PY -c "import vllm" > /dev/null 2>&1; then
+  (cd tests/in_vllm && step vllm 240 $PY -m pytest -q -p no:cacheprovider .)
+  tail -1 "$OUT/vllm.log" | xargs -I{} note "vllm: {}"
+else
+  note "vllm: not installed here (tests/in_vllm skipped)"
 fi
 
 step bench 150 $PY -m pagedspec.bench --quick --out "$OUT/bench" --budget 0.5
