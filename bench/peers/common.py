@@ -46,6 +46,17 @@ def torch_dtypes(dtype: str):
     return cache, query
 
 
+def load_inputs(path: str) -> dict:
+    """A case's data file, with FP8 caches (saved as their uint8 codes) viewed as e4m3 again."""
+    import torch
+
+    data = torch.load(path)
+    if data["dtype"] == "fp8e4m3":
+        data["key_cache"] = data["key_cache"].view(torch.float8_e4m3fn)
+        data["value_cache"] = data["value_cache"].view(torch.float8_e4m3fn)
+    return data
+
+
 def bytes_moved(case: dict) -> int:
     """What attention must move at least, counted as cases_attention.py counts it: every
     sequence's K and V rows once, plus the query and the output."""

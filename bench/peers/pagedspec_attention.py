@@ -73,18 +73,10 @@ def save_inputs(data: dict, path: str) -> None:
     os.replace(tmp, path)
 
 
-def load_inputs(path: str) -> dict:
-    data = torch.load(path)
-    if data["dtype"] == "fp8e4m3":
-        data["key_cache"] = data["key_cache"].view(torch.float8_e4m3fn)
-        data["value_cache"] = data["value_cache"].view(torch.float8_e4m3fn)
-    return data
-
-
 def inputs_for(case: dict, data_dir: str) -> dict:
     path = os.path.join(data_dir, common.case_key(case) + ".pt")
     if os.path.exists(path):
-        return load_inputs(path)
+        return common.load_inputs(path)
     data = build_inputs(case)
     os.makedirs(data_dir, exist_ok=True)
     save_inputs(data, path)

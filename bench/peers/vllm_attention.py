@@ -59,14 +59,6 @@ def attn_isa(dtype: torch.dtype, block_size: int, kv_cache_dtype: str) -> tuple[
     return "vec16", "rule"
 
 
-def load_inputs(path: str) -> dict:
-    data = torch.load(path)
-    if data["dtype"] == "fp8e4m3":
-        data["key_cache"] = data["key_cache"].view(torch.float8_e4m3fn)
-        data["value_cache"] = data["value_cache"].view(torch.float8_e4m3fn)
-    return data
-
-
 def token_rows(data: dict):
     """(key, value, positions, slots): every sequence's K/V rows, sequence after sequence, as
     ``[total_tokens, Hkv, D]`` in the query's dtype (FP8 dequantized with scale 1, exact), taken
@@ -152,7 +144,7 @@ def main(argv=None) -> int:
     block_sizes = [int(b) for b in args.block_sizes.split(",") if b]
     for case in common.load_cases(args.cases):
         key = common.case_key(case)
-        data = load_inputs(os.path.join(args.data_dir, key + ".pt"))
+        data = common.load_inputs(os.path.join(args.data_dir, key + ".pt"))
         torch.set_num_threads(max(case["threads"]))
         runs, unsupported = {}, {}
         for bs in block_sizes:

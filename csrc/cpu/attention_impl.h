@@ -182,10 +182,7 @@ class CpuPagedAttention {
   // float32 scores, so the products are exact as on the FMA path) and configures the tiles.
   void begin_amx(Workspace& ws, int R) const {
     const uint16_t* rows[kMaxRows];
-    for (int r = 0; r < R; ++r) {
-      rows[r] = reinterpret_cast<const uint16_t*>(p_.query + int64_t(ws.rows[r].token) * p_.q_token_stride +
-                                                  int64_t(ws.rows[r].head) * p_.q_head_stride);
-    }
+    for (int r = 0; r < R; ++r) rows[r] = reinterpret_cast<const uint16_t*>(query_row(ws.rows[r]));
     ws.q_vnni.resize(size_t(kMaxRows) * p_.head_size);
     amx_pack_queries(rows, R, p_.head_size, ws.q_vnni.data());
     amx_begin();
@@ -216,15 +213,21 @@ class CpuPagedAttention {
     return F == CacheFormat::kNative ? 1.0f : p_.v_scale.at(kv_head) * Reader::kImage;
   }
 
-  // Loads the task's query rows, scaled into the log2 domain (and by the K factor).
+  const QT* query_row(const RowInfo& info) const {
+    return p_.query + int64_t(info.token) * p_.q_token_stride +
+           int64_t(info.head) * p_.q_head_stride;
+  }
+
+  // Locates the task's query rows and, unless its scores come from the AMX path (ws.amx, which
+  // packs the unscaled rows itself), loads them scaled into the log2 domain (and by the K factor).
   void load_queries(const Task& task, Workspace& ws) const {
     const int D = p_.head_size;
     const float q_scale = p_.scale * kLog2e * k_factor(task.kv_head);
     for (int r = 0; r < task.num_rows; ++r) {
       const RowInfo info = row_info(task.seq, task.kv_head, task.row_begin + r);
       ws.rows[r] = info;
-      const QT* src = p_.query + int64_t(info.token) * p_.q_token_stride +
-                      int64_t(info.head) * p_.q_head_stride;
+      if (ws.amx) continue;
+      const QT* src = query_row(info);
       float* dst = ws.q.data() + size_t(r) * D;
 #pragma omp simd
       for (int d = 0; d < D; ++d) dst[d] = ScalarConvert<QT>::to_float(src[d]) * q_scale;
@@ -302,8 +305,8 @@ class CpuPagedAttention {
   void attend(const Task& task, Workspace& ws) const {
     const int D = p_.head_size;
     const int R = task.num_rows;
-    load_queries(task, ws);
     ws.amx = use_amx(R);
+    load_queries(task, ws);
     if (ws.amx) begin_amx(ws, R);
     ws.kreader.init();
     ws.vreader.init();

@@ -62,7 +62,7 @@ def kv_cache_views(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int,
         raise ValueError(f"pagedspec.vllm: kv_cache must have shape [num_blocks, {num_kv_heads}, "
                          f"block_size, {2 * head_size}] (K and V of {num_kv_heads} heads of "
                          f"{head_size}), got {list(kv_cache.shape)}")
-    if kv_cache.element_size() != torch.empty((), dtype=dtype).element_size():
+    if kv_cache.element_size() != dtype.itemsize:
         raise ValueError(f"pagedspec.vllm: a {dtype} cache needs a kv_cache of the same element "
                          f"size, got {kv_cache.dtype}")
     # The page: the three inner dimensions must tile one dense run of heads x tokens x content.
