@@ -69,36 +69,74 @@ inline void score_block(const float* __restrict q, const CacheT* const* k,
   }
 }
 
-// acc[r] += sum_t w[r][t] * v[t] for NR rows (acc stride D, w stride kTile) over n value rows
-// read straight from the cache. The accumulators stay in registers across the rows and each V
-// vector is decoded once for all NR rows.
+// acc[r][d0 .. d0 + C * kRegLanes) += sum_t w[r][t] * v[t][same] for NR rows: NR x C
+// accumulators stay in registers across the n value rows, so each weight is broadcast once per
+// C vectors and each V vector is decoded once for all NR rows. With few accumulators a second set
+// (odd positions) keeps the FMA latency chains from limiting the loop.
+template <int NR, int C, typename CacheT, CacheFormat F>
+inline void accumulate_span(float* __restrict acc, const float* __restrict w,
+                            const CacheT* const* v, const CacheReader<CacheT, F>& reader, int n,
+                            int D, int w_stride, int d0) {
+  constexpr bool kTwoSets = NR * C < 8;
+  rvec a[NR][C], b[NR][C];
+  for (int r = 0; r < NR; ++r) {
+    for (int c = 0; c < C; ++c) {
+      a[r][c] = rload(acc + r * D + d0 + c * kRegLanes);
+      b[r][c] = rzero();
+    }
+  }
+  int t = 0;
+  if constexpr (kTwoSets) {
+    for (; t + 2 <= n; t += 2) {
+      rvec v0[C], v1[C];
+      for (int c = 0; c < C; ++c) {
+        v0[c] = load_reg(reader, v[t] + d0 + c * kRegLanes);
+        v1[c] = load_reg(reader, v[t + 1] + d0 + c * kRegLanes);
+      }
+      for (int r = 0; r < NR; ++r) {
+        const rvec w0 = rset1(w[r * w_stride + t]);
+        const rvec w1 = rset1(w[r * w_stride + t + 1]);
+        for (int c = 0; c < C; ++c) {
+          a[r][c] = rfma(w0, v0[c], a[r][c]);
+          b[r][c] = rfma(w1, v1[c], b[r][c]);
+        }
+      }
+    }
+  }
+  for (; t < n; ++t) {
+    rvec v0[C];
+    for (int c = 0; c < C; ++c) v0[c] = load_reg(reader, v[t] + d0 + c * kRegLanes);
+    for (int r = 0; r < NR; ++r) {
+      const rvec w0 = rset1(w[r * w_stride + t]);
+      for (int c = 0; c < C; ++c) a[r][c] = rfma(w0, v0[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int c = 0; c < C; ++c) {
+      rvec sum = a[r][c];
+      if constexpr (kTwoSets) sum = radd(sum, b[r][c]);
+      rstore(acc + r * D + d0 + c * kRegLanes, sum);
+    }
+  }
+}
+
+// Vectors of D per accumulate_span pass: 4 rows x 4 accumulators fit AVX-512's 32 registers
+// with the value and weight vectors, 4 x 2 AVX2's 16; the baseline's vectors are SSE arrays.
+constexpr int kValueSpan = PAGEDSPEC_CPU_LEVEL == 2 ? 4 : (PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 1);
+
+// acc[r] += sum_t w[r][t] * v[t] for NR rows (acc stride D, w stride w_stride) over n value rows
+// read straight from the cache, in spans of kValueSpan vectors (then single vectors for the rest
+// of D).
 template <int NR, typename CacheT, CacheFormat F>
 inline void accumulate_block(float* __restrict acc, const float* __restrict w,
                              const CacheT* const* v, const CacheReader<CacheT, F>& reader, int n,
                              int D, int w_stride) {
-  for (int d = 0; d < D; d += kRegLanes) {
-    // Two accumulators per row (even and odd positions) so that, with few rows, the FMA latency
-    // chains are not what limits the loop.
-    rvec a[NR], b[NR];
-    for (int r = 0; r < NR; ++r) {
-      a[r] = rload(acc + r * D + d);
-      b[r] = rzero();
-    }
-    int t = 0;
-    for (; t + 2 <= n; t += 2) {
-      const rvec v0 = load_reg(reader, v[t] + d);
-      const rvec v1 = load_reg(reader, v[t + 1] + d);
-      for (int r = 0; r < NR; ++r) {
-        a[r] = rfma(rset1(w[r * w_stride + t]), v0, a[r]);
-        b[r] = rfma(rset1(w[r * w_stride + t + 1]), v1, b[r]);
-      }
-    }
-    if (t < n) {
-      const rvec v0 = load_reg(reader, v[t] + d);
-      for (int r = 0; r < NR; ++r) a[r] = rfma(rset1(w[r * w_stride + t]), v0, a[r]);
-    }
-    for (int r = 0; r < NR; ++r) rstore(acc + r * D + d, radd(a[r], b[r]));
+  constexpr int kSpan = kValueSpan * kRegLanes;
+  int d = 0;
+  for (; d + kSpan <= D; d += kSpan) {
+    accumulate_span<NR, kValueSpan>(acc, w, v, reader, n, D, w_stride, d);
   }
+  for (; d < D; d += kRegLanes) accumulate_span<NR, 1>(acc, w, v, reader, n, D, w_stride, d);
 }
 
 // Asks for the cache lines of `bytes` bytes at `ptr`. Each (position, KV head) row is only
@@ -237,16 +275,25 @@ class CpuPagedAttention {
   // Locates the tile's n K and V rows and the next tile's K rows (prefetched while this tile is
   // scored), and counts what each row may see of this tile.
   void locate_tile(const Task& task, Workspace& ws, int start, int n, int next_n) const {
-    for (int t = 0; t < n; ++t) {
-      const int64_t off = p_.cache_offset(task.seq, start + t, task.kv_head);
+    // One block-table lookup per cache block, not per position.
+    const int64_t token_stride = p_.cache_token_stride();
+    const auto rows_of = [&](int first, int count, auto&& emit) {
+      int64_t off = 0;
+      for (int t = 0; t < count; ++t) {
+        const int pos = first + t;
+        const int in_block = pos & (p_.block_size - 1);
+        if (t == 0 || in_block == 0) off = p_.cache_offset(task.seq, pos, task.kv_head);
+        emit(t, off);
+        off += token_stride;
+      }
+    };
+    rows_of(start, n, [&](int t, int64_t off) {
       ws.krows[t] = p_.key_cache + off;
       ws.vrows[t] = p_.value_cache + off;
-    }
-    for (int t = 0; t < kTile; ++t) {
-      ws.next_krows[t] = t < next_n
-          ? p_.key_cache + p_.cache_offset(task.seq, start + kTile + t, task.kv_head)
-          : nullptr;
-    }
+    });
+    rows_of(start + kTile, std::max(next_n, 0),
+            [&](int t, int64_t off) { ws.next_krows[t] = p_.key_cache + off; });
+    for (int t = std::max(next_n, 0); t < kTile; ++t) ws.next_krows[t] = nullptr;
     for (int r = 0; r < task.num_rows; ++r) {
       ws.visible[r] = std::clamp(ws.rows[r].limit - start + 1, 0, n);
     }
@@ -330,10 +377,8 @@ class CpuPagedAttention {
         const int visible = ws.visible[r];
         float* w = ws.w.data() + r * kTile;
         if (visible > 0) {
-          float tile_max = neg_inf();
-          for (int t = 0; t < visible; ++t) tile_max = std::max(tile_max, w[t]);
           SoftmaxState& st = ws.state[r];
-          const float factor = st.raise_max(tile_max);
+          const float factor = st.raise_max(max_weights(w, visible));
           if (factor != 1.0f) scale_row(ws.acc.data() + size_t(r) * D, factor, D);
           st.sum += exp2_weights(w, visible, st.max);
         }

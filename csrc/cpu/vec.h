@@ -97,6 +97,32 @@ inline float vsum(vfloat x) {
 }
 #endif
 
+// The largest of w[0..n) (-inf for n = 0): one vector max per 16 (8) scores instead of a scalar
+// chain, whose latency per score was a tenth of a decode task's time.
+inline float max_weights(const float* w, int n) {
+#if PAGEDSPEC_CPU_LEVEL == 2
+  __m512 m = _mm512_set1_ps(neg_inf());
+  for (int i = 0; i < n; i += kLanes) {
+    const __mmask16 live = n - i >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    m = _mm512_mask_max_ps(m, live, m, _mm512_maskz_loadu_ps(live, w + i));
+  }
+  return _mm512_reduce_max_ps(m);
+#elif PAGEDSPEC_CPU_LEVEL == 1
+  __m256 m = _mm256_set1_ps(neg_inf());
+  int i = 0;
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(w + i));
+  const __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  float best = _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, 1)));
+  for (; i < n; ++i) best = std::max(best, w[i]);
+  return best;
+#else
+  float best = neg_inf();
+  for (int i = 0; i < n; ++i) best = std::max(best, w[i]);
+  return best;
+#endif
+}
+
 // w[i] = exp2(w[i] - max) for i < n (the softmax weights of a tile); returns their sum. Lanes
 // from n up to the next multiple of 16 are set to 0. The AVX-512 and AVX2 paths evaluate 2^x as
 // 2^round(x) * p(x - round(x)) with p the degree-7 Taylor polynomial of e^(f ln 2) on |f| <= 1/2
