@@ -1,10 +1,11 @@
 """Every CPU ISA level the kernels are built for and this CPU runs, forced in turn with
 PAGEDSPEC_CPU_ISA (so a level that is never the default here is still verified): the attention
 grid, FP8 decoding bit for bit, isolation and plans, FP8 conversions and reshape_and_cache bit for
-bit, against the reference. Levels this CPU lacks
-skip with a reason; forcing one is an error."""
+bit, against the reference, and the rejection sampler's tokens identical at every level. Levels this
+CPU lacks skip with a reason; forcing one is an error."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -13,6 +14,7 @@ from pagedspec import ops
 import test_attention
 import test_cache
 import test_fp8
+import test_sampling
 from test_attention import FP8, GRID, VARIANTS, Case, _grid_id, check_case
 from test_attention_plan import planned
 
@@ -127,6 +129,53 @@ def test_plans_and_isolation_at_every_level(gen, level, partition_size):
     case.value_cache.view(-1, 2, 128)[slot] = float("inf")
     out, lse, _ = case.run(run, lse=True)
     assert torch.equal(out[:4], clean[0][:4]) and torch.equal(lse[:4], clean[1][:4])
+
+
+def _boundary_draws(gen, batch, vocab):
+    """Bonus-token draws (k = 0: each request samples its target row) whose uniform is a CDF
+    boundary t0 / total in float64, so u * total lands within float32 rounding of a prefix and the
+    token depends on the order of the additions."""
+    probs = torch.softmax(torch.randn(batch, 1, vocab, generator=gen) * 3, dim=-1)
+    cdf = probs[:, 0].double().cumsum(-1)
+    t0 = torch.randint(0, vocab - 1, (batch,), generator=gen)
+    u = (cdf[torch.arange(batch), t0] / cdf[:, -1]).float().view(batch, 1)
+    return dict(draft_token_ids=torch.empty(batch, 0, dtype=torch.int64), draft_probs=None,
+                target_probs=probs, uniform_accept=torch.empty(batch, 0), uniform_resample=u,
+                num_draft_tokens=None)
+
+
+def _tokens_at_each_level(inputs, monkeypatch):
+    tokens = {}
+    for level in INFO["cpu_isa_supported"]:
+        monkeypatch.setenv("PAGEDSPEC_CPU_ISA", level)
+        tokens[level] = ops.rejection_sample(**inputs)
+    return tokens
+
+
+@pytest.mark.parametrize("vocab", [1000, 32077, 70001])  # partial last tiles; 547 tiles > 512 runs
+def test_rejection_sample_is_identical_at_every_level(gen, vocab, monkeypatch):
+    # The vector levels sum the tiles' weights in registers; the order of sampling.h must hold to
+    # the bit, so every level emits the baseline's (scalar) tokens.
+    inputs = _boundary_draws(gen, 512, vocab)
+    tokens = _tokens_at_each_level(inputs, monkeypatch)
+    base_out, base_acc = tokens["baseline"]
+    for level, (out, acc) in tokens.items():
+        assert torch.equal(out, base_out) and torch.equal(acc, base_acc), level
+    # The draws are sensitive to the order: plain sequential float32 sums (another order) move
+    # some of these tokens, so a level that summed differently would be caught.
+    probs = inputs["target_probs"][:, 0].numpy()
+    prefix = np.cumsum(probs, axis=-1, dtype=np.float32)
+    threshold = inputs["uniform_resample"][:, 0].numpy() * prefix[:, -1]
+    sequential = np.argmax(prefix > threshold[:, None], axis=-1)
+    assert (sequential != base_out[:, 0].numpy()).sum() >= 5
+    # Draft-probability and one-hot requests (residual rows) as well.
+    for one_hot in (False, True):
+        inputs = test_sampling._random_inputs(gen, 64, 4, vocab, one_hot_draft=one_hot,
+                                              sparse=True)
+        tokens = _tokens_at_each_level(inputs, monkeypatch)
+        for level, (out, acc) in tokens.items():
+            assert torch.equal(out, tokens["baseline"][0]), (level, one_hot)
+            assert torch.equal(acc, tokens["baseline"][1]), (level, one_hot)
 
 
 def test_forcing_an_unknown_or_missing_level_is_an_error(gen, monkeypatch):

@@ -23,6 +23,7 @@
 #include "fp8_checks.h"
 #include "pagedspec/attention.h"
 #include "pagedspec/attention_plan.h"
+#include "pagedspec/sampling.h"
 
 #define PAGEDSPEC_DECLARE_CPU_KERNELS(NS)                                                       \
   namespace pagedspec::NS {                                                                     \
@@ -39,6 +40,8 @@
                          const ReshapeAndCacheArgs& args);                                      \
   void quantize_fp8(at::Tensor& out, const at::Tensor& input, const Fp8ConvertArgs& args);      \
   void dequantize_fp8(at::Tensor& out, const at::Tensor& input, const Fp8ConvertArgs& args);    \
+  /* rejection_sample over every request of validated parameters. */                            \
+  void rejection_sample(const RejectionSampleParams& p);                                        \
   }
 
 PAGEDSPEC_DECLARE_CPU_KERNELS(cpu_baseline)
