@@ -357,9 +357,12 @@ ISOLATION_FNS = {**VARIANTS, "reference": reference.paged_attention}
 @pytest.mark.parametrize("num_heads, num_kv_heads, q_len", [(2, 1, 2), (4, 4, 3), (8, 1, 9),
                                                             (16, 2, 5)])
 @pytest.mark.parametrize("poison", ["k_inf", "v_inf", "v_nan", "k_nan"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])  # bf16: the CPU's AMX path
+# bf16 queries: the CPU's AMX path (on the bf16 cache, and on FP8 caches through their images).
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float16, None), (torch.bfloat16, None),
+                                                (torch.bfloat16, FP8[0]), (torch.bfloat16, FP8[1])],
+                         ids=["fp16", "bf16", "bf16-e4m3", "bf16-e5m2"])
 def test_isolation_from_later_draft_tokens(gen, device, fn, num_heads, num_kv_heads, q_len,
-                                           poison, dtype):
+                                           poison, dtype, cache_dtype):
     # The contract's Isolation: a token's out, lse and mass do not depend on positions past its
     # causal limit. Poison the K or V of the last query token of each sequence (a later draft
     # token) and every earlier token must give bit-identical results to the clean run. The
@@ -369,7 +372,7 @@ def test_isolation_from_later_draft_tokens(gen, device, fn, num_heads, num_kv_he
         pytest.skip("the reference runs on CPU tensors here")
     case = Case(gen, seq_lens=[37, 1100, q_len], q_lens=[q_len, q_len, q_len],
                 num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=64, block_size=16,
-                dtype=dtype, device=device)
+                dtype=dtype, cache_dtype=cache_dtype, device=device)
     run = ISOLATION_FNS[fn]
     clean_out, clean_lse, clean_mass = case.run(run, lse=True, mass=True)
     cache = case.key_cache if poison.startswith("k") else case.value_cache

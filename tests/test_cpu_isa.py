@@ -40,11 +40,13 @@ HAS_AMX = INFO["cpu_amx"]
                                                      ([2, 9, 1], [33, 700, 64], (8, 1)),
                                                      ([3, 1, 4], [300, 17, 95], (16, 2))])
 @pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
 def test_amx_path_matches_reference(gen, monkeypatch, amx, variant, q_lens, seq_lens, heads,
-                                    head_size):
-    """bf16 rows of 8 or more per KV head run the avx512 level's AMX tile multiplies (scores from
-    exact bf16 products; weights rounded to bf16 for P.V, 2^-9 relative, inside bf16 output's
-    tolerance) or, with PAGEDSPEC_CPU_AMX=0, the FMA path: both against the reference."""
+                                    head_size, cache_dtype):
+    """bf16 queries with 8 or more rows per KV head, on a bf16 or FP8 cache (its codes converted
+    exactly to bf16 images), run the avx512 level's AMX tile multiplies (scores from exact bf16
+    products; weights rounded to bf16 for P.V, 2^-9 relative, inside bf16 output's tolerance) or,
+    with PAGEDSPEC_CPU_AMX=0, the FMA path: both against the reference."""
     if amx == "1" and not HAS_AMX:
         pytest.skip("this CPU (or OS) has no AMX-BF16")
     if "avx512" not in INFO["cpu_isa_supported"]:
@@ -52,15 +54,17 @@ def test_amx_path_matches_reference(gen, monkeypatch, amx, variant, q_lens, seq_
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX", amx)
     assert pagedspec._C.cpu_amx() == (amx == "1")
     case = Case(gen, seq_lens=seq_lens, q_lens=q_lens, num_heads=heads[0], num_kv_heads=heads[1],
-                head_size=head_size, block_size=16, dtype=torch.bfloat16)
+                head_size=head_size, block_size=16, dtype=torch.bfloat16, cache_dtype=cache_dtype,
+                per_head_scale=cache_dtype in FP8)
     check_case(case, VARIANTS[variant], lse=True, mass=(variant == "v1"))
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="this CPU (or OS) has no AMX-BF16")
-def test_amx_path_is_taken(gen, monkeypatch):
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
+def test_amx_path_is_taken(gen, monkeypatch, cache_dtype):
     """The two paths round differently, so equal outputs would mean AMX never ran."""
     case = Case(gen, seq_lens=[700, 1100], q_lens=[5, 8], num_heads=32, num_kv_heads=8,
-                head_size=128, block_size=16, dtype=torch.bfloat16)
+                head_size=128, block_size=16, dtype=torch.bfloat16, cache_dtype=cache_dtype)
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "1")
     with_amx, _, _ = case.run(ops.paged_attention)
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")

@@ -198,16 +198,21 @@ class CpuPagedAttention {
     const CacheT* vrows[kTile];
     const CacheT* next_krows[kTile];  // null past the end
     CacheReader<CacheT, F> kreader, vreader;
+    // The AMX path on an FP8 cache: the tile's K and V rows as bf16 images, [kTile, D] each.
+    std::vector<uint16_t> kimg, vimg;
+    const uint16_t* kimg_rows[kTile];
+    const uint16_t* vimg_rows[kTile];
 
     explicit Workspace(int D)
         : q(size_t(kMaxRows) * D), acc(size_t(kMaxRows) * D), w(size_t(kMaxRows) * kTile),
           rows(kMaxRows), state(kMaxRows), visible(kMaxRows) {}
   };
 
-  // The AMX score path: bf16 queries and caches on the AVX-512 level, with enough rows per key.
-  static constexpr bool kAmxCapable = PAGEDSPEC_CPU_LEVEL == 2 && F == CacheFormat::kNative &&
-                                      std::is_same_v<QT, c10::BFloat16> &&
-                                      std::is_same_v<CacheT, c10::BFloat16>;
+  // The AMX score path: bf16 queries on a bf16 or FP8 cache on the AVX-512 level, with enough
+  // rows per key.
+  static constexpr bool kAmxCapable =
+      PAGEDSPEC_CPU_LEVEL == 2 && std::is_same_v<QT, c10::BFloat16> &&
+      (F != CacheFormat::kNative || std::is_same_v<CacheT, c10::BFloat16>);
   bool use_amx(int R) const {
     if constexpr (kAmxCapable) {
       return R >= kAmxMinRows && p_.head_size % kAmxDims == 0 && amx_available();
@@ -223,22 +228,55 @@ class CpuPagedAttention {
     for (int r = 0; r < R; ++r) rows[r] = reinterpret_cast<const uint16_t*>(query_row(ws.rows[r]));
     ws.q_vnni.resize(size_t(kMaxRows) * p_.head_size);
     amx_pack_queries(rows, R, p_.head_size, ws.q_vnni.data());
+    if constexpr (F != CacheFormat::kNative) {
+      ws.kimg.resize(size_t(kTile) * p_.head_size);
+      ws.vimg.resize(size_t(kTile) * p_.head_size);
+    }
     amx_begin();
   }
 
+  // Rows [first, first + n) of `rows` as the bf16 rows the tile multiplies read: a bf16 cache's
+  // in place; an FP8 cache's converted into `buf` as their images (CacheReader::load16, so the
+  // scale folds in as on the FMA path). The conversion is exact: an e4m3 or e5m2 value has at
+  // most 4 significant bits and lies inside bf16's range, so its float32 image's low 16 bits are 0
+  // (NaN stays NaN).
+  const uint16_t* const* amx_rows(const CacheT* const* rows, int first, int n,
+                                  const Reader& reader, std::vector<uint16_t>& buf,
+                                  const uint16_t** out) const {
+    if constexpr (F == CacheFormat::kNative) {
+      return reinterpret_cast<const uint16_t* const*>(rows + first);
+    } else {
+#if PAGEDSPEC_CPU_LEVEL == 2
+      const int D = p_.head_size;
+      for (int t = first; t < first + n; ++t) {
+        uint16_t* dst = buf.data() + size_t(t) * D;
+        for (int d = 0; d < D; d += kLanes) {
+          const __m512i bits = _mm512_castps_si512(reader.load16(rows[t] + d));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + d),
+                              _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+        }
+        out[t] = dst;
+      }
+#endif
+      return out + first;
+    }
+  }
+
   // score_tile through amx_scores, 16 positions per call, with the same prefetches.
-  void score_tile_amx(int R, Workspace& ws, int n, bool want_values) const {
+  void score_tile_amx(const Task& task, Workspace& ws, int n, bool want_values) const {
     const int D = p_.head_size;
+    const int R = task.num_rows;
     const int row_bytes = D * int(sizeof(CacheT));
-    const float q_scale = p_.scale * kLog2e;
+    const float q_scale = p_.scale * kLog2e * k_factor(task.kv_head);
     for (int t0 = 0; t0 < n; t0 += kAmxPositions) {
       const int count = std::min(kAmxPositions, n - t0);
       for (int i = t0; i < t0 + count; ++i) {
         if (want_values) prefetch_row(ws.vrows[i], row_bytes);
         if (ws.next_krows[i] != nullptr) prefetch_row(ws.next_krows[i], row_bytes);
       }
-      amx_scores(ws.q_vnni.data(), R, reinterpret_cast<const uint16_t* const*>(ws.krows + t0),
-                 count, D, q_scale, ws.w.data() + t0, kTile);
+      amx_scores(ws.q_vnni.data(), R,
+                 amx_rows(ws.krows, t0, count, ws.kreader, ws.kimg, ws.kimg_rows), count, D,
+                 q_scale, ws.w.data() + t0, kTile);
     }
   }
 
@@ -368,7 +406,7 @@ class CpuPagedAttention {
         for (int t = 0; t < n; ++t) prefetch_row(ws.krows[t], D * int(sizeof(CacheT)));
       }
       if (ws.amx) {
-        score_tile_amx(R, ws, n, true);
+        score_tile_amx(task, ws, n, true);
       } else {
         score_tile(R, ws, true);
       }
@@ -387,8 +425,9 @@ class CpuPagedAttention {
         // Every row sees the whole tile (rows ascend, so the first sees the least): no position
         // is past a row's limit, so the tile multiply may take them all (the causal tail and
         // partial tiles stay on the FMA path, which accumulates per visible segment).
-        amx_accumulate(ws.w.data(), kTile, R, reinterpret_cast<const uint16_t* const*>(ws.vrows),
-                       D, ws.acc.data());
+        amx_accumulate(ws.w.data(), kTile, R,
+                       amx_rows(ws.vrows, 0, kTile, ws.vreader, ws.vimg, ws.vimg_rows), D,
+                       ws.acc.data());
       } else {
         for (int r0 = 0; r0 < R; r0 += 4) accumulate_rows(ws, r0, std::min(4, R - r0));
       }
