@@ -27,8 +27,8 @@ def build_info() -> dict:
     built for), ``cpu_isa_levels`` (the x86 levels the CPU kernels are built for),
     ``cpu_isa_supported`` (those this CPU runs) and ``cpu_isa`` (the one in use: the best
     supported, or ``PAGEDSPEC_CPU_ISA=baseline|avx2|avx512``) and ``cpu_amx`` (whether the
-    avx512 level's bf16 attention uses AMX tile multiplies: the CPU has AMX-BF16, the OS allows
-    it, and ``PAGEDSPEC_CPU_AMX`` is not ``0``).
+    avx512 level's attention with bf16 queries, on bf16 or FP8 caches, uses AMX tile multiplies:
+    the CPU has AMX-BF16, the OS allows it, and ``PAGEDSPEC_CPU_AMX`` is not ``0``).
     """
     with_cuda = bool(_C.with_cuda)
     return {
