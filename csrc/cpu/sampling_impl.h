@@ -4,6 +4,8 @@
 // only in vector width, and no product feeds a sum here, so FMA contraction cannot change a bit.
 // Requests run in parallel; a request reads its probability row once (plus one 128-weight tile
 // again where the CDF crosses u).
+#include "cpu/vec.h"
+
 namespace pagedspec {
 namespace PAGEDSPEC_CPU_NAMESPACE {
 namespace {
@@ -25,69 +27,33 @@ void load_tile_weights(const WeightRow& row, int64_t tile, float* w) {
   std::fill(w + n, w + kSampleTile, 0.f);
 }
 
-#if PAGEDSPEC_CPU_LEVEL == 2
-// max(t - q, 0) with NaN as 0, as residual_weight: max_ps returns its second operand (0) when
-// either is NaN, and +0 for -0.
-inline __m512 residual16(const float* target, const float* draft) {
-  const __m512 t = _mm512_loadu_ps(target);
-  const __m512 q = draft != nullptr ? _mm512_loadu_ps(draft) : _mm512_setzero_ps();
-  return _mm512_max_ps(_mm512_sub_ps(t, q), _mm512_setzero_ps());
-}
-// Lane i: a[2i] + a[2i + 1] over the 32 values of (a, b), in order: one level of the pairwise tree.
-inline __m512 pair_sums16(__m512 a, __m512 b) {
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
-}
-#elif PAGEDSPEC_CPU_LEVEL == 1
-inline __m256 residual8(const float* target, const float* draft) {
-  const __m256 t = _mm256_loadu_ps(target);
-  const __m256 q = draft != nullptr ? _mm256_loadu_ps(draft) : _mm256_setzero_ps();
-  return _mm256_max_ps(_mm256_sub_ps(t, q), _mm256_setzero_ps());
-}
-// Lane i: x[2i] + x[2i + 1] over the 16 values of (a, b), in order: hadd pairs neighbours within
-// each 128-bit lane (P0 P1 P4 P5 | P2 P3 P6 P7), and the 64-bit permute puts them in order.
-inline __m256 pair_sums8(__m256 a, __m256 b) {
-  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(a, b)), 0xD8));
-}
-#endif
-
-// tile_total of tile `tile`'s weights, read straight from the row: the tree of sampling.h, level by
-// level in vector registers (the same additions in the same association; IEEE addition commutes,
-// so the lane order inside one addition does not matter). A partial last tile, and the tile of a
-// one-hot draft's token, take the scalar path.
+// tile_total of tile `tile`'s weights, read straight from the row: residual_weight and the tree
+// of sampling.h level by level in vectors (vrelu is residual_weight's max(d, 0) with NaN as 0;
+// vpair_sums makes the same additions in the same association, and IEEE addition commutes, so the
+// lane order inside one addition does not matter). A partial last tile, the tile of a one-hot
+// draft's token, and the baseline level (sampling.h's scalar definition, which the tests compare
+// every level against) take the scalar path.
 template <bool kDraftRow>
 float tile_weight_total(const WeightRow& row, int64_t tile) {
+#if PAGEDSPEC_CPU_LEVEL > 0
+  static_assert(kSampleTile == 8 * kLanes, "the tree below starts from 8 vectors");
   const int64_t begin = tile * kSampleTile;
-  const bool whole = begin + kSampleTile <= row.vocab;
   const bool hot = !kDraftRow && row.one_hot >= begin && row.one_hot < begin + kSampleTile;
-#if PAGEDSPEC_CPU_LEVEL == 2
-  if (whole && !hot) {
-    const float* t = row.target + begin;
-    const float* q = kDraftRow ? row.draft + begin : nullptr;
-    __m512 v[8];
-    for (int j = 0; j < 8; ++j) v[j] = residual16(t + 16 * j, q != nullptr ? q + 16 * j : nullptr);
+  if (begin + kSampleTile <= row.vocab && !hot) {
+    vfloat v[8];
+    for (int j = 0; j < 8; ++j) {
+      const vfloat q = kDraftRow ? vload(row.draft + begin + j * kLanes) : vzero();
+      v[j] = vrelu(vsub(vload(row.target + begin + j * kLanes), q));
+    }
     for (int n = 8; n > 1; n /= 2) {  // 128 -> 64 -> 32 -> 16 partial sums
-      for (int j = 0; j < n / 2; ++j) v[j] = pair_sums16(v[2 * j], v[2 * j + 1]);
+      for (int j = 0; j < n / 2; ++j) v[j] = vpair_sums(v[2 * j], v[2 * j + 1]);
     }
-    for (int n = 16; n > 1; n /= 2) v[0] = pair_sums16(v[0], _mm512_setzero_ps());  // 16 -> 1
-    return _mm512_cvtss_f32(v[0]);
-  }
-#elif PAGEDSPEC_CPU_LEVEL == 1
-  if (whole && !hot) {
-    const float* t = row.target + begin;
-    const float* q = kDraftRow ? row.draft + begin : nullptr;
-    __m256 v[16];
-    for (int j = 0; j < 16; ++j) v[j] = residual8(t + 8 * j, q != nullptr ? q + 8 * j : nullptr);
-    for (int n = 16; n > 1; n /= 2) {  // 128 -> 64 -> 32 -> 16 -> 8 partial sums
-      for (int j = 0; j < n / 2; ++j) v[j] = pair_sums8(v[2 * j], v[2 * j + 1]);
-    }
-    for (int n = 8; n > 1; n /= 2) v[0] = pair_sums8(v[0], _mm256_setzero_ps());  // 8 -> 1
-    return _mm256_cvtss_f32(v[0]);
+    for (int n = kLanes; n > 1; n /= 2) v[0] = vpair_sums(v[0], vzero());  // 16 -> 1
+    alignas(64) float lanes[kLanes];
+    vstore(lanes, v[0]);
+    return lanes[0];
   }
 #endif
-  (void)whole;
-  (void)hot;
   alignas(64) float w[kSampleTile];
   load_tile_weights<kDraftRow>(row, tile, w);
   return tile_total(w);

@@ -30,6 +30,15 @@ inline vfloat vzero() { return _mm512_setzero_ps(); }
 inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
+// max(a, 0) lane by lane, NaN as 0 (max_ps returns its second operand when either is NaN).
+inline vfloat vrelu(vfloat a) { return _mm512_max_ps(a, _mm512_setzero_ps()); }
+// Lane i: x[2i] + x[2i + 1] over the 32 values of (a, b), in order: one level of a pairwise tree.
+inline vfloat vpair_sums(vfloat a, vfloat b) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+}
 inline float vsum(vfloat v) {
   // Halves, quarters, pairs, lanes (GCC 12's _mm512_reduce_add_ps warns under -Wall).
   v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
@@ -55,6 +64,20 @@ inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
 }
 inline vfloat vadd(vfloat a, vfloat b) {
   return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+}
+inline vfloat vsub(vfloat a, vfloat b) {
+  return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)};
+}
+inline vfloat vrelu(vfloat a) {
+  return {_mm256_max_ps(a.lo, _mm256_setzero_ps()), _mm256_max_ps(a.hi, _mm256_setzero_ps())};
+}
+// Lane i: x[2i] + x[2i + 1] over the 16 values of (a, b): hadd pairs neighbours within each
+// 128-bit lane (P0 P1 P4 P5 | P2 P3 P6 P7), and the 64-bit permute puts them in order.
+inline __m256 pair_sums8(__m256 a, __m256 b) {
+  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(a, b)), 0xD8));
+}
+inline vfloat vpair_sums(vfloat a, vfloat b) {
+  return {pair_sums8(a.lo, a.hi), pair_sums8(b.lo, b.hi)};
 }
 inline float vsum8(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
