@@ -41,12 +41,14 @@ HAS_AMX = INFO["cpu_amx"]
                                                      ([3, 1, 4], [300, 17, 95], (16, 2))])
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
+@pytest.mark.parametrize("block_size", [16, 8])
 def test_amx_path_matches_reference(gen, monkeypatch, amx, variant, q_lens, seq_lens, heads,
-                                    head_size, cache_dtype):
+                                    head_size, cache_dtype, block_size):
     """bf16 queries with 8 or more rows per KV head, on a bf16 or FP8 cache (its codes converted
     exactly to bf16 images), run the avx512 level's AMX tile multiplies (scores from exact bf16
     products; weights rounded to bf16 for P.V, 2^-9 relative, inside bf16 output's tolerance) or,
-    with PAGEDSPEC_CPU_AMX=0, the FMA path: both against the reference."""
+    with PAGEDSPEC_CPU_AMX=0, the FMA path: both against the reference. Block size 8 puts the
+    16 keys of a tile multiply in two scattered blocks (gathered, not read in place)."""
     if amx == "1" and not HAS_AMX:
         pytest.skip("this CPU (or OS) has no AMX-BF16")
     if "avx512" not in INFO["cpu_isa_supported"]:
@@ -54,8 +56,8 @@ def test_amx_path_matches_reference(gen, monkeypatch, amx, variant, q_lens, seq_
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX", amx)
     assert pagedspec._C.cpu_amx() == (amx == "1")
     case = Case(gen, seq_lens=seq_lens, q_lens=q_lens, num_heads=heads[0], num_kv_heads=heads[1],
-                head_size=head_size, block_size=16, dtype=torch.bfloat16, cache_dtype=cache_dtype,
-                per_head_scale=cache_dtype in FP8)
+                head_size=head_size, block_size=block_size, dtype=torch.bfloat16,
+                cache_dtype=cache_dtype, per_head_scale=cache_dtype in FP8)
     check_case(case, VARIANTS[variant], lse=True, mass=(variant == "v1"))
 
 

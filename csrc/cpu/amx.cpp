@@ -6,6 +6,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -85,47 +86,112 @@ void amx_begin() {
 
 void amx_end() { _tile_release(); }
 
+namespace {
+
+// In place: r[j] becomes column j of the 16 x 16 matrix whose rows r held (64 shuffles).
+void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {  // per 128-bit lane: rows i and i + 1 interleaved
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  __m512 u[16];  // u[4 g + c], 128-bit lane L: rows 4 g .. 4 g + 3 of column 4 L + c
+  for (int g = 0; g < 16; g += 4) {
+    for (int j = 0; j < 2; ++j) {
+      const __m512d a = _mm512_castps_pd(t[g + j]), b = _mm512_castps_pd(t[g + j + 2]);
+      u[g + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      u[g + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4 L + c: lane L of u[c], u[4 + c], u[8 + c], u[12 + c]
+    const __m512 x0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44);  // lanes 0, 1 of each
+    const __m512 x1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);  // lanes 2, 3 of each
+    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_f32x4(x0, y0, 0x88);
+    r[4 + c] = _mm512_shuffle_f32x4(x0, y0, 0xDD);
+    r[8 + c] = _mm512_shuffle_f32x4(x1, y1, 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(x1, y1, 0xDD);
+  }
+}
+
+}  // namespace
+
 void amx_scores(const uint16_t* vnni, int num_rows, const uint16_t* const* k, int num_positions,
                 int D, float scale, float* scores, int score_stride) {
-  // Keys: read in place when the 16 rows are equally spaced (one block of the cache), else
-  // gathered (rows past num_positions are zero; their scores are not written).
-  alignas(64) uint16_t gathered[kAmxPositions * 256];
-  const uint16_t* base = k[0];
-  int64_t stride = num_positions > 1 ? k[1] - k[0] : D;
-  bool strided = num_positions == kAmxPositions && stride > 0;
-  for (int t = 2; strided && t < kAmxPositions; ++t) strided = k[t] - k[t - 1] == stride;
-  if (!strided) {
-    for (int t = 0; t < kAmxPositions; ++t) {
-      if (t < num_positions) {
-        std::memcpy(gathered + t * D, k[t], D * sizeof(uint16_t));
-      } else {
-        std::memset(gathered + t * D, 0, D * sizeof(uint16_t));
+  // Each half of the positions (one key tile of 16 rows) is read in place when its rows are
+  // equally spaced (one block of the cache), else gathered (rows past num_positions are zero;
+  // their scores are not written).
+  alignas(64) uint16_t gathered[2][kAmxPositions * 256];
+  const int halves = (num_positions + kAmxPositions - 1) / kAmxPositions;
+  const uint16_t* base[2] = {nullptr, nullptr};
+  int64_t stride_bytes[2] = {0, 0};
+  int count[2] = {0, 0};
+  for (int h = 0; h < halves; ++h) {
+    const uint16_t* const* kh = k + h * kAmxPositions;
+    count[h] = std::min(kAmxPositions, num_positions - h * kAmxPositions);
+    const int64_t stride = count[h] > 1 ? kh[1] - kh[0] : D;
+    bool strided = count[h] == kAmxPositions && stride > 0;
+    for (int t = 2; strided && t < kAmxPositions; ++t) strided = kh[t] - kh[t - 1] == stride;
+    base[h] = kh[0];
+    stride_bytes[h] = stride * int64_t(sizeof(uint16_t));
+    if (!strided) {
+      for (int t = 0; t < kAmxPositions; ++t) {
+        if (t < count[h]) {
+          std::memcpy(gathered[h] + t * D, kh[t], D * sizeof(uint16_t));
+        } else {
+          std::memset(gathered[h] + t * D, 0, D * sizeof(uint16_t));
+        }
+      }
+      base[h] = gathered[h];
+      stride_bytes[h] = D * int64_t(sizeof(uint16_t));
+    }
+  }
+  // Accumulators: tmm0 / tmm1 for the positions of half 0 / 1 against row block 0, tmm2 / tmm3
+  // against row block 1; keys tmm4 / tmm5; queries tmm6 / tmm7. Four independent chains of
+  // multiplies over the dimensions, where 16 positions per call made two.
+  const bool two_halves = halves > 1;
+  const bool two_blocks = num_rows > kAmxRows;
+  const int64_t q_stride = kAmxRows * 2 * sizeof(uint16_t);
+  _tile_zero(0);
+  if (two_halves) _tile_zero(1);
+  if (two_blocks) _tile_zero(2);
+  if (two_halves && two_blocks) _tile_zero(3);
+  for (int d0 = 0; d0 < D; d0 += kAmxDims) {
+    // Row block b's dims d0 .. d0 + 31 are pairs d0 / 2 .. d0 / 2 + 15: 16 rows of 64 bytes.
+    _tile_loadd(6, vnni + size_t(d0 / 2) * kAmxRows * 2, q_stride);
+    _tile_loadd(4, base[0] + d0, stride_bytes[0]);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two_halves) {
+      _tile_loadd(5, base[1] + d0, stride_bytes[1]);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+    if (two_blocks) {
+      _tile_loadd(7, vnni + (size_t(D / 2) + d0 / 2) * kAmxRows * 2, q_stride);
+      _tile_dpbf16ps(2, 4, 7);
+      if (two_halves) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[2][2][kAmxPositions * kAmxRows];  // [block][half]: [position][row]
+  _tile_stored(0, c[0][0], kAmxRows * sizeof(float));
+  if (two_halves) _tile_stored(1, c[0][1], kAmxRows * sizeof(float));
+  if (two_blocks) _tile_stored(2, c[1][0], kAmxRows * sizeof(float));
+  if (two_halves && two_blocks) _tile_stored(3, c[1][1], kAmxRows * sizeof(float));
+  // Each [position][row] tile transposed in registers into rows of scores (a scalar copy per
+  // score was a third of this function's time).
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int b = 0; b < (two_blocks ? 2 : 1); ++b) {
+    const int rows = std::min(kAmxRows, num_rows - b * kAmxRows);
+    for (int h = 0; h < halves; ++h) {
+      __m512 r[16];
+      for (int t = 0; t < 16; ++t) r[t] = _mm512_load_ps(c[b][h] + t * kAmxRows);
+      transpose16(r);
+      const __mmask16 mask = __mmask16((1u << count[h]) - 1u);
+      for (int j = 0; j < rows; ++j) {
+        _mm512_mask_storeu_ps(scores + size_t(b * kAmxRows + j) * score_stride + h * kAmxPositions,
+                              mask, _mm512_mul_ps(r[j], vscale));
       }
     }
-    base = gathered;
-    stride = D;
-  }
-  const bool two_blocks = num_rows > kAmxRows;
-  _tile_zero(0);
-  _tile_zero(1);
-  for (int d0 = 0; d0 < D; d0 += kAmxDims) {
-    _tile_loadd(2, base + d0, stride * int64_t(sizeof(uint16_t)));
-    // Row block b's dims d0 .. d0 + 31 are pairs d0 / 2 .. d0 / 2 + 15: 16 rows of 64 bytes.
-    _tile_loadd(3, vnni + size_t(d0 / 2) * kAmxRows * 2, kAmxRows * 2 * sizeof(uint16_t));
-    _tile_dpbf16ps(0, 2, 3);
-    if (two_blocks) {
-      _tile_loadd(4, vnni + (size_t(D / 2) + d0 / 2) * kAmxRows * 2,
-                  kAmxRows * 2 * sizeof(uint16_t));
-      _tile_dpbf16ps(1, 2, 4);
-    }
-  }
-  alignas(64) float c[2][kAmxPositions * kAmxRows];  // [position][row] per block
-  _tile_stored(0, c[0], kAmxRows * sizeof(float));
-  if (two_blocks) _tile_stored(1, c[1], kAmxRows * sizeof(float));
-  for (int r = 0; r < num_rows; ++r) {
-    const float* col = c[r / kAmxRows] + r % kAmxRows;
-    float* dst = scores + size_t(r) * score_stride;
-    for (int t = 0; t < num_positions; ++t) dst[t] = col[t * kAmxRows] * scale;
   }
 }
 
@@ -157,24 +223,36 @@ void amx_accumulate(const float* w, int w_stride, int num_rows, const uint16_t* 
       _mm512_store_si512(values[d0 / 16 + 1] + pair * 32, _mm512_permutex2var_epi16(a, hi, b));
     }
   }
-  const int blocks = (num_rows + kAmxRows - 1) / kAmxRows;
+  // The accumulator rows are the tiles' C operands in place (16 rows of 16 floats, D floats
+  // apart), instead of a zeroed tile added to them with vector operations. Tiles: weights
+  // tmm5 / tmm6 (row blocks 0 / 1); an even chunk's values tmm7 and accumulators tmm0 / tmm1, an
+  // odd chunk's tmm4 and tmm2 / tmm3, so that four multiplies are in flight, not one.
+  const bool two_blocks = num_rows > kAmxRows;
+  const int64_t acc_stride = int64_t(D) * sizeof(float);
   _tile_loadd(5, weights[0], kAmxTilePositions * sizeof(uint16_t));
-  if (blocks > 1) _tile_loadd(6, weights[1], kAmxTilePositions * sizeof(uint16_t));
-  alignas(64) float c[2][kAmxRows * 16];  // [row][dimension] per block
-  for (int chunk = 0; chunk < D / 16; ++chunk) {
+  if (two_blocks) _tile_loadd(6, weights[1], kAmxTilePositions * sizeof(uint16_t));
+  for (int chunk = 0; chunk < D / 16; chunk += 2) {
+    float* even0 = acc + chunk * 16;
+    float* even1 = even0 + size_t(kAmxRows) * D;
     _tile_loadd(7, values[chunk], 64);
-    _tile_zero(0);
+    _tile_loadd(0, even0, acc_stride);
     _tile_dpbf16ps(0, 5, 7);
-    _tile_stored(0, c[0], 16 * sizeof(float));
-    if (blocks > 1) {
-      _tile_zero(1);
+    if (two_blocks) {
+      _tile_loadd(1, even1, acc_stride);
       _tile_dpbf16ps(1, 6, 7);
-      _tile_stored(1, c[1], 16 * sizeof(float));
     }
-    for (int r = 0; r < num_rows; ++r) {
-      float* dst = acc + size_t(r) * D + chunk * 16;
-      _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst),
-                                          _mm512_load_ps(c[r / kAmxRows] + (r % kAmxRows) * 16)));
+    _tile_loadd(4, values[chunk + 1], 64);
+    _tile_loadd(2, even0 + 16, acc_stride);
+    _tile_dpbf16ps(2, 5, 4);
+    if (two_blocks) {
+      _tile_loadd(3, even1 + 16, acc_stride);
+      _tile_dpbf16ps(3, 6, 4);
+    }
+    _tile_stored(0, even0, acc_stride);
+    _tile_stored(2, even0 + 16, acc_stride);
+    if (two_blocks) {
+      _tile_stored(1, even1, acc_stride);
+      _tile_stored(3, even1 + 16, acc_stride);
     }
   }
 }
@@ -183,6 +261,7 @@ void amx_accumulate(const float* w, int w_stride, int num_rows, const uint16_t* 
 
 #else  // not x86-64: no AMX; the kernels never call the tile functions (amx_available() is false)
 
+#include <algorithm>
 #include <cstdlib>
 
 namespace pagedspec {

@@ -1,6 +1,6 @@
-// AMX (Intel Advanced Matrix Extensions) bf16 scores for the CPU attention kernel's AVX-512
-// level: q . k for up to 32 query rows against 16 key positions per tile multiply, where the
-// AVX-512 FMA path is compute-bound (verification: q_len x group rows per KV head). Built in its
+// AMX (Intel Advanced Matrix Extensions) bf16 tile multiplies for the CPU attention kernel's
+// AVX-512 level: scores (q . k) and P.V for up to 32 query rows and 32 positions per call, where
+// the AVX-512 FMA path is compute-bound (verification: q_len x group rows per KV head). Built in its
 // own object (cpu/amx.cpp, with the AMX target) and called through these plain-typed functions.
 // Torch-free: bf16 values are passed as their uint16 bit patterns.
 #pragma once
@@ -32,17 +32,20 @@ void amx_begin();
 void amx_end();
 
 // scores[r * score_stride + t] = scale * sum_d q[r][d] * k[t][d] (float32 accumulation of exact
-// bf16 products) for rows r < num_rows and positions t < num_positions (<= kAmxPositions); rows
-// and positions past those are not written. k[t]: the bf16 key rows (any addresses; read in
-// place when equally spaced); D a multiple of kAmxDims, at most 256; num_rows <= 2 * kAmxRows.
+// bf16 products) for rows r < num_rows and positions t < num_positions (<= 2 * kAmxPositions:
+// two key tiles per call); rows and positions past those are not written. k[t]: the bf16 key
+// rows (any addresses; each 16 read in place when equally spaced); D a multiple of kAmxDims, at
+// most 256; num_rows <= 2 * kAmxRows.
 void amx_scores(const uint16_t* vnni, int num_rows, const uint16_t* const* k, int num_positions,
                 int D, float scale, float* scores, int score_stride);
 
 // acc[r * D + d] += sum_t w[r * w_stride + t] * v[t][d] for rows r < num_rows over exactly
 // kAmxTilePositions value rows v[t] (bf16; every one must be seen by every row: the caller keeps
 // positions past a row's causal limit, and unused slots, out of this path), with the weights
-// rounded to bf16 (round to nearest even) and float32 accumulation. D a multiple of 16, at most
-// 256; num_rows <= 2 * kAmxRows. Needs amx_begin.
+// rounded to bf16 (round to nearest even) and float32 accumulation. The tiles read and write acc
+// in whole blocks of 16 rows, so acc holds ceil(num_rows / 16) * 16 rows (those past num_rows
+// get zero-weight sums). D a multiple of kAmxDims, at most 256; num_rows <= 2 * kAmxRows. Needs
+// amx_begin.
 constexpr int kAmxTilePositions = 32;  // value rows per tile multiply (64 bytes of bf16 weights)
 void amx_accumulate(const float* w, int w_stride, int num_rows, const uint16_t* const* v, int D,
                     float* acc);
