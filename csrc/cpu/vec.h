@@ -219,6 +219,20 @@ inline __m256 bf16x8_to_float(__m128i bits) {
 }
 #endif
 
+#if PAGEDSPEC_CPU_LEVEL >= 1
+// The fp16 images S.EEEE.MMM.0000000 of e4m3 codes given sign-extended to 16-bit lanes: shifted
+// left by 7, a lane's copies of the sign land on bits 15 (kept) and 14 (cleared); the NaN codes
+// S.1111.111 become fp16 NaN, so the conversion that follows needs no fix-up (8 operations per
+// 16 codes with it, where separate magnitude and sign and a NaN fix-up on the floats took 12).
+inline __m256i e4m3_fp16_images(__m256i sign_extended) {
+  const __m256i image = _mm256_and_si256(_mm256_slli_epi16(sign_extended, 7),
+                                         _mm256_set1_epi16(int16_t(0xBFFF)));
+  const __m256i is_nan = _mm256_cmpeq_epi16(
+      _mm256_or_si256(sign_extended, _mm256_set1_epi16(int16_t(0xFF80))), _mm256_set1_epi16(-1));
+  return _mm256_blendv_epi8(image, _mm256_set1_epi16(0x7E00), is_nan);
+}
+#endif
+
 // Reads 16 cache elements as floats: native elements as ScalarConvert would, FP8 codes as their
 // unscaled "images" CacheCodec::decode(code, 1) / kImage, with no multiply in the loop: the
 // kernel folds scale * kImage into the query (K) and into the output (V), and image x
@@ -256,13 +270,7 @@ struct CacheReader {
       return _mm512_cvtph_ps(_mm256_slli_epi16(codes, 8));
     } else if constexpr (F == CacheFormat::kE4M3) {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      const __m256i codes = _mm256_cvtepu8_epi16(raw);
-      const __m256i magnitude = _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x7F)), 7);
-      const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x80)), 8);
-      const __m512 value = _mm512_cvtph_ps(_mm256_or_si256(magnitude, sign));
-      const __mmask16 nan =
-          _mm_cmpeq_epi8_mask(_mm_and_si128(raw, _mm_set1_epi8(0x7F)), _mm_set1_epi8(0x7F));
-      return _mm512_mask_mov_ps(value, nan, _mm512_set1_ps(__builtin_nanf("")));
+      return _mm512_cvtph_ps(e4m3_fp16_images(_mm256_cvtepi8_epi16(raw)));
     }
 #elif PAGEDSPEC_CPU_LEVEL == 1
     if constexpr (std::is_same_v<CacheT, float>) {
@@ -274,30 +282,17 @@ struct CacheReader {
       const __m128i* q = reinterpret_cast<const __m128i*>(p);
       return {_mm256_cvtph_ps(_mm_loadu_si128(q)), _mm256_cvtph_ps(_mm_loadu_si128(q + 1))};
     } else {
-      // FP8 through the same fp16 images as AVX-512 (F16C converts them).
+      // FP8 through the same fp16 images as AVX-512 (F16C converts them); e4m3's NaN codes
+      // become fp16 NaN before the conversion.
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-      const __m256i codes = _mm256_cvtepu8_epi16(raw);
       __m256i halves;
       if constexpr (F == CacheFormat::kE5M2) {
-        halves = _mm256_slli_epi16(codes, 8);
+        halves = _mm256_slli_epi16(_mm256_cvtepu8_epi16(raw), 8);
       } else {
-        halves = _mm256_or_si256(
-            _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x7F)), 7),
-            _mm256_slli_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x80)), 8));
+        halves = e4m3_fp16_images(_mm256_cvtepi8_epi16(raw));
       }
-      vfloat v{_mm256_cvtph_ps(_mm256_castsi256_si128(halves)),
-               _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1))};
-      if constexpr (F == CacheFormat::kE4M3) {
-        // S.1111.111 is NaN in e4m3: 16-bit lanes whose magnitude is 0x7F, widened to 32 bits.
-        const __m256i is_nan = _mm256_cmpeq_epi16(_mm256_and_si256(codes, _mm256_set1_epi16(0x7F)),
-                                                  _mm256_set1_epi16(0x7F));
-        const __m256 nan = _mm256_set1_ps(__builtin_nanf(""));
-        const __m256 lo = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(is_nan)));
-        const __m256 hi = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(is_nan, 1)));
-        v.lo = _mm256_blendv_ps(v.lo, nan, lo);
-        v.hi = _mm256_blendv_ps(v.hi, nan, hi);
-      }
-      return v;
+      return {_mm256_cvtph_ps(_mm256_castsi256_si128(halves)),
+              _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1))};
     }
 #endif
     return load_fallback(p);
@@ -313,18 +308,12 @@ struct CacheReader {
     } else if constexpr (std::is_same_v<CacheT, c10::Half>) {
       return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     } else {
-      const __m128i codes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
       if constexpr (F == CacheFormat::kE5M2) {
-        return _mm256_cvtph_ps(_mm_slli_epi16(codes, 8));
+        return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8));
       } else {
-        const __m128i halves =
-            _mm_or_si128(_mm_slli_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x7F)), 7),
-                         _mm_slli_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x80)), 8));
-        const __m256 value = _mm256_cvtph_ps(halves);
-        const __m128i is_nan = _mm_cmpeq_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x7F)),
-                                               _mm_set1_epi16(0x7F));
-        return _mm256_blendv_ps(value, _mm256_set1_ps(__builtin_nanf("")),
-                                _mm256_castsi256_ps(_mm256_cvtepi16_epi32(is_nan)));
+        return _mm256_cvtph_ps(
+            _mm256_castsi256_si128(e4m3_fp16_images(_mm256_castsi128_si256(_mm_cvtepi8_epi16(raw)))));
       }
     }
   }
