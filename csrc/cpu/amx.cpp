@@ -261,7 +261,6 @@ void amx_accumulate(const float* w, int w_stride, int num_rows, const uint16_t* 
 
 #else  // not x86-64: no AMX; the kernels never call the tile functions (amx_available() is false)
 
-#include <algorithm>
 #include <cstdlib>
 
 namespace pagedspec {

@@ -1,7 +1,8 @@
 // AMX (Intel Advanced Matrix Extensions) bf16 tile multiplies for the CPU attention kernel's
 // AVX-512 level: scores (q . k) and P.V for up to 32 query rows and 32 positions per call, where
-// the AVX-512 FMA path is compute-bound (verification: q_len x group rows per KV head). Built in its
-// own object (cpu/amx.cpp, with the AMX target) and called through these plain-typed functions.
+// the AVX-512 FMA path is compute-bound (verification: q_len x group rows per KV head). Built in
+// its own object (cpu/amx.cpp, with the AMX target) and called through these plain-typed
+// functions.
 // Torch-free: bf16 values are passed as their uint16 bit patterns.
 #pragma once
 

@@ -41,7 +41,8 @@ constexpr int kScoreTokens = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 4;
 // and decode ran 4% slower as a call.
 template <int NR, int NT, typename CacheT, CacheFormat F>
 [[gnu::always_inline]] inline void score_block(const float* __restrict q, const CacheT* const* k,
-                        const CacheReader<CacheT, F>& reader, int D, float* out) {
+                                               const CacheReader<CacheT, F>& reader, int D,
+                                               float* out) {
   rvec acc[NR][NT];
   for (int r = 0; r < NR; ++r) {
     for (int t = 0; t < NT; ++t) acc[r][t] = rzero();
@@ -75,9 +76,11 @@ template <int NR, int NT, typename CacheT, CacheFormat F>
 // C vectors and each V vector is decoded once for all NR rows. With few accumulators a second set
 // (odd positions) keeps the FMA latency chains from limiting the loop.
 template <int NR, int C, typename CacheT, CacheFormat F>
-[[gnu::always_inline]] inline void accumulate_span(float* __restrict acc, const float* __restrict w,
-                            const CacheT* const* v, const CacheReader<CacheT, F>& reader, int n,
-                            int D, int w_stride, int d0) {
+[[gnu::always_inline]] inline void accumulate_span(float* __restrict acc,
+                                                   const float* __restrict w,
+                                                   const CacheT* const* v,
+                                                   const CacheReader<CacheT, F>& reader, int n,
+                                                   int D, int w_stride, int d0) {
   constexpr bool kTwoSets = NR * C < 8;
   rvec a[NR][C], b[NR][C];
   for (int r = 0; r < NR; ++r) {

@@ -312,8 +312,8 @@ struct CacheReader {
       if constexpr (F == CacheFormat::kE5M2) {
         return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(raw), 8));
       } else {
-        return _mm256_cvtph_ps(
-            _mm256_castsi256_si128(e4m3_fp16_images(_mm256_castsi128_si256(_mm_cvtepi8_epi16(raw)))));
+        const __m256i codes = _mm256_zextsi128_si256(_mm_cvtepi8_epi16(raw));
+        return _mm256_cvtph_ps(_mm256_castsi256_si128(e4m3_fp16_images(codes)));
       }
     }
   }
