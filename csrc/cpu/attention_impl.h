@@ -279,7 +279,7 @@ class CpuPagedAttention {
   void score_tile_amx(const Task& task, Workspace& ws, int n, bool want_values) const {
     const int D = p_.head_size;
     const int row_bytes = D * int(sizeof(CacheT));
-    const float q_scale = p_.scale * kLog2e * k_factor(task.kv_head);
+    const float q_scale = score_scale(task.kv_head);
     for (int t = 0; t < n; ++t) prefetch_position(ws, t, want_values, row_bytes);
     amx_scores(ws.q_vnni.data(), task.num_rows,
                amx_rows(ws.krows, 0, n, ws.kreader, ws.kimg, ws.kimg_rows), n, D, q_scale,
@@ -291,6 +291,9 @@ class CpuPagedAttention {
   float k_factor(int kv_head) const {
     return F == CacheFormat::kNative ? 1.0f : p_.k_scale.at(kv_head) * Reader::kImage;
   }
+  // What q . k is multiplied by to give the log2-domain logit: the softmax scale, log2(e) and
+  // the K factor. The FMA path folds it into the loaded queries, the AMX path into its scores.
+  float score_scale(int kv_head) const { return p_.scale * kLog2e * k_factor(kv_head); }
   float v_factor(int kv_head) const {
     return F == CacheFormat::kNative ? 1.0f : p_.v_scale.at(kv_head) * Reader::kImage;
   }
@@ -304,7 +307,7 @@ class CpuPagedAttention {
   // packs the unscaled rows itself), loads them scaled into the log2 domain (and by the K factor).
   void load_queries(const Task& task, Workspace& ws) const {
     const int D = p_.head_size;
-    const float q_scale = p_.scale * kLog2e * k_factor(task.kv_head);
+    const float q_scale = score_scale(task.kv_head);
     for (int r = 0; r < task.num_rows; ++r) {
       const RowInfo info = row_info(task.seq, task.kv_head, task.row_begin + r);
       ws.rows[r] = info;
