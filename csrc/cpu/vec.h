@@ -30,6 +30,7 @@ inline vfloat vzero() { return _mm512_setzero_ps(); }
 inline vfloat vset1(float x) { return _mm512_set1_ps(x); }
 inline vfloat vfma(vfloat a, vfloat b, vfloat c) { return _mm512_fmadd_ps(a, b, c); }
 inline vfloat vadd(vfloat a, vfloat b) { return _mm512_add_ps(a, b); }
+inline vfloat vmul(vfloat a, vfloat b) { return _mm512_mul_ps(a, b); }
 inline vfloat vsub(vfloat a, vfloat b) { return _mm512_sub_ps(a, b); }
 // max(a, 0) lane by lane, NaN as 0 (max_ps returns its second operand when either is NaN).
 inline vfloat vrelu(vfloat a) { return _mm512_max_ps(a, _mm512_setzero_ps()); }
@@ -67,6 +68,9 @@ inline vfloat vadd(vfloat a, vfloat b) {
 }
 inline vfloat vsub(vfloat a, vfloat b) {
   return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)};
+}
+inline vfloat vmul(vfloat a, vfloat b) {
+  return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
 }
 inline vfloat vrelu(vfloat a) {
   return {_mm256_max_ps(a.lo, _mm256_setzero_ps()), _mm256_max_ps(a.hi, _mm256_setzero_ps())};
@@ -110,6 +114,10 @@ inline vfloat vfma(vfloat a, vfloat b, vfloat c) {
 }
 inline vfloat vadd(vfloat a, vfloat b) {
   for (int i = 0; i < kLanes; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline vfloat vmul(vfloat a, vfloat b) {
+  for (int i = 0; i < kLanes; ++i) a.v[i] *= b.v[i];
   return a;
 }
 inline float vsum(vfloat x) {
