@@ -338,6 +338,67 @@ struct CacheReader {
   }
 };
 
+#if PAGEDSPEC_CPU_LEVEL == 1
+// float_to_fp8 (pagedspec/fp8.h) on 8 lanes, operation for operation, so the codes are the same
+// bits: GCC does not vectorize the scalar form for this level ("control flow in loop"), where the
+// AVX-512 build does. The 8 codes come back in the low 8 bytes.
+template <CacheFormat F>
+inline __m128i fp8_codes8(__m256 x) {
+  using T = Fp8Traits<F>;
+  constexpr int kDrop = 23 - T::kMantBits;
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(bits, 24), _mm256_set1_epi32(0x80));
+  const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i rebiased = _mm256_sub_epi32(mag, _mm256_set1_epi32((127 - T::kBias) << 23));
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(rebiased, kDrop), _mm256_set1_epi32(1));
+  const __m256i normal = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(rebiased, _mm256_set1_epi32((1 << (kDrop - 1)) - 1)), odd),
+      kDrop);
+  // mag has no sign bit, so the signed compares order it as the scalar's unsigned ones do.
+  const __m256i min_normal = _mm256_set1_epi32(int(T::kMinNormalBits));
+  const __m256i is_subnormal = _mm256_cmpgt_epi32(min_normal, mag);
+  const __m256 tiny = _mm256_castsi256_ps(_mm256_blendv_epi8(min_normal, mag, is_subnormal));
+  const __m256 rounded = _mm256_add_ps(_mm256_mul_ps(tiny, _mm256_set1_ps(T::kSubnormalScale)),
+                                       _mm256_set1_ps(8388608.0f));
+  const __m256i subnormal =
+      _mm256_sub_epi32(_mm256_castps_si256(rounded), _mm256_set1_epi32(0x4B000000));
+  __m256i code = _mm256_blendv_epi8(normal, subnormal, is_subnormal);
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(T::kMaxCode),
+                            _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(int(T::kMaxFiniteBits) - 1)));
+  code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7F),
+                            _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7F800000)));
+  code = _mm256_or_si256(code, sign);
+  const __m128i words =
+      _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+  return _mm_packus_epi16(words, words);
+}
+#endif
+
+// out[i] = quantize_fp8_value<F>(in[i], scale) for n values (quantize_fp8, reshape_and_cache
+// into an FP8 cache): AVX2 through fp8_codes8, the other levels as a loop the compiler
+// vectorizes (AVX-512) or leaves scalar (baseline).
+template <CacheFormat F, typename InT>
+inline void quantize_fp8_row(const InT* __restrict in, uint8_t* __restrict out, int64_t n,
+                             float scale) {
+#if PAGEDSPEC_CPU_LEVEL == 1
+  const CacheReader<InT, CacheFormat::kNative> reader{};
+  const __m256 divisor = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const vfloat x = reader.load16(in + i);
+    const __m128i lo = fp8_codes8<F>(_mm256_div_ps(x.lo, divisor));
+    const __m128i hi = fp8_codes8<F>(_mm256_div_ps(x.hi, divisor));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm_unpacklo_epi64(lo, hi));
+  }
+  for (; i < n; ++i) out[i] = quantize_fp8_value<F>(ScalarConvert<InT>::to_float(in[i]), scale);
+#else
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = quantize_fp8_value<F>(ScalarConvert<InT>::to_float(in[i]), scale);
+  }
+#endif
+}
+
 #if PAGEDSPEC_CPU_LEVEL == 2
 // Horizontal sums of 16 vectors at once: lane i of the result is the sum of x[i]'s lanes. Each
 // level adds the two halves of every input's live lanes while packing two inputs into one
