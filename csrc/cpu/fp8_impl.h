@@ -46,11 +46,13 @@ void dequantize_fp8_row(const CacheReader<uint8_t, F>& reader, const uint8_t* __
     for (int i = 0; i < kLanes; ++i) {
       const uint32_t bits = float_as_bits(values[i]);
       const uint32_t nan = (uint32_t(in[d + i] & 0x80u) << 24) | 0x7FC00000u;
-      out[d + i] =
-          ScalarConvert<DstT>::from_float(bits_as_float((bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : bits));
+      const float value = bits_as_float((bits & 0x7FFFFFFFu) > 0x7F800000u ? nan : bits);
+      out[d + i] = ScalarConvert<DstT>::from_float(value);
     }
   }
-  for (; d < n; ++d) out[d] = ScalarConvert<DstT>::from_float(dequantize_fp8_value<F>(in[d], scale));
+  for (; d < n; ++d) {
+    out[d] = ScalarConvert<DstT>::from_float(dequantize_fp8_value<F>(in[d], scale));
+  }
 }
 
 }  // namespace
@@ -60,7 +62,7 @@ void quantize_fp8(at::Tensor& out, const at::Tensor& input, const Fp8ConvertArgs
     PAGEDSPEC_DISPATCH_FP8_FORMAT(args.format, [&] {
       const auto p = make_params<scalar_t, uint8_t>(out, input, args);
       for_each_row(p, [&](const scalar_t* in, uint8_t* row_out, float scale) {
-        quantize_fp8_row<kFp8Format>(in, row_out, static_cast<int>(p.head_size), scale);
+        quantize_fp8_row<kFp8Format>(in, row_out, p.head_size, scale);
       });
     });
   });

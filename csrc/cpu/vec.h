@@ -1,9 +1,10 @@
 // The CPU kernels' vector abstraction: 16-float vectors (vfloat) and their operations, the
-// vectorized exp2 of a softmax tile, cache elements decoded 16 at a time (CacheReader), and a
-// 16-way horizontal sum, for one ISA level: PAGEDSPEC_CPU_LEVEL 2 (AVX-512 F/BW/VL/DQ), 1 (AVX2 +
-// FMA + F16C) or 0 (baseline x86-64). A kernel source includes it once, after
-// `#pragma GCC target` has enabled the level's instructions (see cpu/isa.h): one source, built
-// once per level, each in its own namespace (PAGEDSPEC_CPU_NAMESPACE) with internal linkage.
+// vectorized exp2 of a softmax tile, cache elements decoded 16 at a time (CacheReader), FP8
+// encoding of a row (quantize_fp8_row), and a 16-way horizontal sum, for one ISA level:
+// PAGEDSPEC_CPU_LEVEL 2 (AVX-512 F/BW/VL/DQ), 1 (AVX2 + FMA + F16C) or 0 (baseline x86-64). A
+// kernel source includes it once, after `#pragma GCC target` has enabled the level's
+// instructions (see cpu/isa.h): one source, built once per level, each in its own namespace
+// (PAGEDSPEC_CPU_NAMESPACE) with internal linkage.
 //
 // It includes nothing: every header it needs (<immintrin.h>, <type_traits>, cpu/cpu_types.h,
 // pagedspec/attention.h) is included before the pragma (cpu/kernel_levels.h does), so that no
@@ -381,7 +382,8 @@ template <CacheFormat F, typename InT>
 inline void quantize_fp8_row(const InT* __restrict in, uint8_t* __restrict out, int64_t n,
                              float scale) {
 #if PAGEDSPEC_CPU_LEVEL == 1
-  const CacheReader<InT, CacheFormat::kNative> reader{};
+  // Native loads only: the FP8 table stays unset (value-initialized it was 1 KB cleared per row).
+  CacheReader<InT, CacheFormat::kNative> reader;
   const __m256 divisor = _mm256_set1_ps(scale);
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
