@@ -206,21 +206,10 @@ class CpuPagedAttention {
     std::vector<uint16_t> kimg, vimg;
     const uint16_t* kimg_rows[kTile];
     const uint16_t* vimg_rows[kTile];
-    // The AMX path on an FP8 cache: the bf16 bits of the images of the 128 FP8 magnitudes.
-    alignas(64) uint16_t bf16_images[128];
 
     explicit Workspace(int D)
         : q(size_t(kMaxRows) * D), acc(size_t(kMaxRows) * D), w(size_t(kMaxRows) * kTile),
-          rows(kMaxRows), state(kMaxRows), visible(kMaxRows) {
-      if constexpr (F != CacheFormat::kNative) {
-        // Exact: an image has at most 4 significant bits and lies inside bf16's normal range,
-        // so its float32 bits end in 16 zeros (NaN stays NaN).
-        for (int c = 0; c < 128; ++c) {
-          const float image = CacheCodec<uint8_t, F>::decode(uint8_t(c), 1.0f) / Reader::kImage;
-          bf16_images[c] = uint16_t(float_as_bits(image) >> 16);
-        }
-      }
-    }
+          rows(kMaxRows), state(kMaxRows), visible(kMaxRows) {}
   };
 
   // The AMX score path: bf16 queries on a bf16 or FP8 cache on the AVX-512 level, with enough
@@ -253,19 +242,28 @@ class CpuPagedAttention {
   // Rows [first, first + n) of `rows` as the bf16 rows the tile multiplies read: a bf16 cache's
   // in place; an FP8 cache's converted into `buf` as the bf16 bits of their images (the values
   // CacheReader reads, so the scale folds in as on the FMA path), 32 codes at a time: the
-  // magnitude's bits from the 128-entry table in four registers (two 64-entry permutes, chosen
-  // by the code's bit 6), the sign ORed in. Per 32 codes that is 8 operations, where widening
-  // to float32 and narrowing again took 20.
-  const uint16_t* const* amx_rows(const CacheT* const* rows, int first, int n, Workspace& ws,
-                                  std::vector<uint16_t>& buf, const uint16_t** out) const {
+  // magnitude's bits from the reader's table of the 128 magnitudes, narrowed to bf16 in four
+  // registers (two 64-entry permutes, chosen by the code's bit 6), the sign ORed in. Per 32 codes
+  // that is 8 operations, where widening to float32 and narrowing again took 20. The narrowing
+  // is exact: an image has at most 4 significant bits and lies inside bf16's normal range, so
+  // its float32 bits end in 16 zeros (NaN stays NaN).
+  const uint16_t* const* amx_rows(const CacheT* const* rows, int first, int n,
+                                  const Reader& reader, std::vector<uint16_t>& buf,
+                                  const uint16_t** out) const {
     if constexpr (F == CacheFormat::kNative) {
       return reinterpret_cast<const uint16_t* const*>(rows + first);
     } else {
 #if PAGEDSPEC_CPU_LEVEL == 2
       const int D = p_.head_size;
-      const __m512i* table = reinterpret_cast<const __m512i*>(ws.bf16_images);
-      const __m512i t0 = _mm512_load_si512(table), t1 = _mm512_load_si512(table + 1);
-      const __m512i t2 = _mm512_load_si512(table + 2), t3 = _mm512_load_si512(table + 3);
+      const auto bf16_entries = [&](int c0) {  // table entries c0 .. c0 + 31 as bf16 bits
+        const auto top_half = [&](int c) {
+          return _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+              _mm512_castps_si512(_mm512_loadu_ps(reader.table + c)), 16));
+        };
+        return _mm512_inserti64x4(_mm512_castsi256_si512(top_half(c0)), top_half(c0 + 16), 1);
+      };
+      const __m512i t0 = bf16_entries(0), t1 = bf16_entries(32);
+      const __m512i t2 = bf16_entries(64), t3 = bf16_entries(96);
       const __m512i bit6 = _mm512_set1_epi16(0x40), sign_bit = _mm512_set1_epi16(0x80);
       for (int t = first; t < first + n; ++t) {
         uint16_t* dst = buf.data() + size_t(t) * D;
@@ -282,7 +280,7 @@ class CpuPagedAttention {
         out[t] = dst;
       }
 #else
-      (void)rows, (void)n, (void)ws, (void)buf;
+      (void)rows, (void)n, (void)reader, (void)buf;
 #endif
       return out + first;
     }
@@ -304,7 +302,7 @@ class CpuPagedAttention {
     const float q_scale = score_scale(task.kv_head);
     for (int t = 0; t < n; ++t) prefetch_position(ws, t, want_values, row_bytes);
     amx_scores(ws.q_vnni.data(), task.num_rows,
-               amx_rows(ws.krows, 0, n, ws, ws.kimg, ws.kimg_rows), n, D, q_scale,
+               amx_rows(ws.krows, 0, n, ws.kreader, ws.kimg, ws.kimg_rows), n, D, q_scale,
                ws.w.data(), kTile);
   }
 
@@ -449,7 +447,7 @@ class CpuPagedAttention {
         // is past a row's limit, so the tile multiply may take them all (the causal tail and
         // partial tiles stay on the FMA path, which accumulates per visible segment).
         amx_accumulate(ws.w.data(), kTile, R,
-                       amx_rows(ws.vrows, 0, kTile, ws, ws.vimg, ws.vimg_rows), D,
+                       amx_rows(ws.vrows, 0, kTile, ws.vreader, ws.vimg, ws.vimg_rows), D,
                        ws.acc.data());
       } else {
         for (int r0 = 0; r0 < R; r0 += 4) accumulate_rows(ws, r0, std::min(4, R - r0));
