@@ -23,6 +23,8 @@ from typing import Callable
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 32, 8, 128
 PAGEDSPEC_BLOCK_SIZE = 16
 DTYPES = ("bf16", "fp32", "fp8e4m3")
+# Set by compare.py --isa: the ISA level both sides are held to (empty: each side's best).
+PEER_ISA_ENV = "PAGEDSPEC_PEERS_ISA"
 
 
 def case_name(case: dict) -> str:
@@ -115,10 +117,11 @@ def emit(record: dict) -> None:
     sys.stdout.flush()
 
 
-def machine_info() -> dict:
+def machine_info(kernel: str) -> dict:
+    """The process's torch and CPU, and ``kernel``: which build of the side's CPU kernels runs."""
     import platform
 
     import torch
     info = {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "python": platform.python_version(), "pid": os.getpid()}
+            "python": platform.python_version(), "pid": os.getpid(), "kernel": kernel}
     return info

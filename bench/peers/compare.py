@@ -207,6 +207,10 @@ def main(argv=None) -> int:
                              "the exit status is still 1)")
     parser.add_argument("--keep-data", action="store_true", help="keep the input .pt files")
     parser.add_argument("--vllm-python", default=VLLM_PYTHON)
+    parser.add_argument("--isa", choices=("best", "avx2"), default="best",
+                        help="best: each side's best kernels for this CPU; avx2: both held to "
+                             "AVX2 (pagedspec through PAGEDSPEC_CPU_ISA, vLLM its _C_AVX2 build "
+                             "and ISA choice as on an AVX2-only CPU)")
     args = parser.parse_args(argv)
 
     threads = [int(t) for t in args.threads.split(",")]
@@ -226,6 +230,8 @@ def main(argv=None) -> int:
     env = dict(os.environ, OMP_NUM_THREADS=str(max(threads)),
                MKL_NUM_THREADS=str(max(threads)), VLLM_LOGGING_LEVEL="ERROR",
                PYTHONWARNINGS="ignore")
+    if args.isa != "best":
+        env.update({"PAGEDSPEC_CPU_ISA": args.isa, common.PEER_ISA_ENV: args.isa})
     ps_python = sys.executable
     cases = build_cases(args.shapes.split(","), args.dtypes.split(","), threads)
 
@@ -283,20 +289,25 @@ def main(argv=None) -> int:
     machine = machine_description()
     sides = {}
     for rec in setup + records:
-        sides.setdefault(rec["side"], {k: rec[k] for k in ("torch", "cpu_capability")
+        sides.setdefault(rec["side"], {k: rec[k] for k in ("torch", "cpu_capability", "kernel")
                                        if k in rec})
     vllm_info = [r for r in setup if r["side"] == "vllm"]
+    vllm_isas = sorted({(col, rec["case"].rsplit("/", 1)[-1], impl["isa"]) for rec in records
+                        if rec["side"] == "vllm" for col, impl in rec["impls"].items()
+                        if "isa" in impl})
     header = [
         "# pagedspec vs vLLM CPU paged attention (Llama-3-8B heads: 32 q / 8 kv / 128)", "",
         f"Machine: {machine.get('Model name', '?')}, {machine.get('CPU(s)', '?')} CPUs, "
         f"flags {' '.join(machine.get('flags (selected)', []))}; "
-        + "; ".join(f"{s}: torch {v.get('torch')} ({v.get('cpu_capability')})"
+        + "; ".join(f"{s}: torch {v.get('torch')} ({v.get('cpu_capability')}), kernels "
+                    f"{v.get('kernel')}"
                     for s, v in sides.items()), "",
         f"Median of {args.rounds} rounds (alternating processes) of per-process medians over "
         f"{args.budget}s; (min-max) over rounds. GB/s: K/V rows once + Q + out; (x copy): "
         "fraction of the same process's copy bandwidth. pagedspec/vLLM: time ratio "
-        "(< 1: pagedspec faster). vLLM bs16 uses its vec16 kernel; bs128 is its AMX (bf16, "
-        "FP8) or vec (fp32) kernel; n/a: vLLM rejects it (FP8 needs a block size that is a "
+        "(< 1: pagedspec faster). vLLM's kernel per column, as its backend chooses it: "
+        + (", ".join(f"{col} {dtype} {isa}" for col, dtype, isa in vllm_isas) or "none timed")
+        + "; n/a: vLLM rejects it (FP8 needs a block size that is a "
         "multiple of 32). SDPA: torch's SDPA on K/V pre-gathered into contiguous tensors "
         "(FP8 dequantized to bf16: it reads bf16).", ""]
     with open(os.path.join(out, "table.md"), "w") as f:

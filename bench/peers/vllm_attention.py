@@ -34,6 +34,18 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
 
+# vLLM picks one of its three builds of vllm._C from torch's view of the CPU (platforms/cpu.py:
+# AVX-512 with BF16 -> _C, AVX-512 -> _C_AVX512, else _C_AVX2) and its attention ISA the same way.
+# The benchmark's --isa avx2 (common.PEER_ISA_ENV) hides AVX-512 and AMX from both choices, so
+# vLLM runs the code it runs on an AVX2-only CPU.
+FORCED_ISA = os.environ.get(common.PEER_ISA_ENV, "")
+if FORCED_ISA == "avx2":
+    torch.cpu._is_avx512_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = lambda: False
+    torch.cpu._is_amx_tile_supported = lambda: False
+elif FORCED_ISA:
+    sys.exit(f"vllm_attention.py: {common.PEER_ISA_ENV} must be avx2 or empty, got {FORCED_ISA!r}")
+
 import vllm  # noqa: E402
 import vllm._custom_ops  # noqa: E402,F401  (loads vllm._C: registers torch.ops._C.*)
 
@@ -43,6 +55,13 @@ _C = torch.ops._C
 # ARCH_REQ_XCOMP_PERM); without it vLLM's "amx" attention kernels die of SIGILL. In a vLLM server
 # something else (oneDNN's first AMX matmul) asks first; here nothing does, so ask through torch.
 AMX_READY = torch.cpu._is_amx_tile_supported() and bool(torch._C._cpu._init_amx())
+
+
+def vllm_library() -> str:
+    """Which build of vllm._C this process loaded (its file name)."""
+    with open("/proc/self/maps") as f:
+        names = {os.path.basename(line.split()[-1]) for line in f if "/vllm/_C" in line}
+    return ",".join(sorted(names)) or "?"
 
 
 def attn_isa(dtype: torch.dtype, block_size: int, kv_cache_dtype: str) -> tuple[str, str]:
@@ -154,7 +173,8 @@ def main(argv=None) -> int:
                 unsupported[f"vllm{bs}"] = {"unsupported": str(e).splitlines()[0],
                                             "block_size": bs}
         base = {"side": "vllm", "case": common.case_name(case), "key": key,
-                "vllm": vllm.__version__, "amx_ready": AMX_READY, **common.machine_info()}
+                "vllm": vllm.__version__, "amx_ready": AMX_READY,
+                **common.machine_info(vllm_library())}
         if args.outputs:
             out_dir = args.out_dir or args.data_dir
             os.makedirs(out_dir, exist_ok=True)
