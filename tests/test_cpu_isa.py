@@ -75,9 +75,67 @@ def test_amx_path_is_taken(gen, monkeypatch, cache_dtype):
     torch.testing.assert_close(with_amx.float(), without.float(), rtol=1.6e-2, atol=1.6e-2)
 
 
+def _bf16_dot_supported() -> bool:
+    # PAGEDSPEC_CPU_BF16_DOT=1 turns the path on wherever the CPU has the instruction.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDSPEC_CPU_BF16_DOT", "1")
+        return pagedspec._C.cpu_bf16_dot()
+
+
+HAS_BF16_DOT = _bf16_dot_supported()
+
+
+@pytest.mark.parametrize("dot", ["1", "0"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("q_lens, seq_lens, heads", [([5, 5, 5], [5, 48, 513], (32, 8)),
+                                                     ([2, 9, 1], [33, 700, 64], (8, 1)),
+                                                     ([1, 1, 1], [1, 31, 1100], (8, 2))])
+@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_bf16_dot_path_matches_reference(gen, monkeypatch, dot, variant, q_lens, seq_lens, heads,
+                                         head_size, block_size):
+    """bf16 queries on a bf16 cache at the avx512 level, through AVX512-BF16 dot products
+    (PAGEDSPEC_CPU_BF16_DOT=1: exact products, float32 sums in another order; weights rounded to
+    bf16 for P.V, 2^-9 relative, inside bf16 output's tolerance) and through the FMA path (=0),
+    with AMX off so that every task takes the path asked for. Head size 96 leaves a 32-wide span
+    after the 64-wide ones; odd visible counts pair the last position with zero."""
+    if dot == "1" and not HAS_BF16_DOT:
+        pytest.skip("this CPU has no AVX512-BF16")
+    if "avx512" not in INFO["cpu_isa_supported"]:
+        pytest.skip("the bf16 dot path is part of the avx512 level")
+    monkeypatch.setenv("PAGEDSPEC_CPU_ISA", "avx512")
+    monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")
+    monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", dot)
+    assert pagedspec._C.cpu_bf16_dot() == (dot == "1")
+    case = Case(gen, seq_lens=seq_lens, q_lens=q_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                head_size=head_size, block_size=block_size, dtype=torch.bfloat16)
+    check_case(case, VARIANTS[variant], lse=True, mass=(variant == "v1"))
+
+
+@pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU has no AVX512-BF16")
+def test_bf16_dot_path_is_taken_and_isolates(gen, monkeypatch):
+    """The dot and FMA paths round differently, so equal outputs would mean the dot path never
+    ran; and a later draft token's V set to inf leaves the earlier tokens bit-identical on it."""
+    monkeypatch.setenv("PAGEDSPEC_CPU_ISA", "avx512")
+    monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")
+    case = Case(gen, seq_lens=[700, 1099], q_lens=[1, 5], num_heads=32, num_kv_heads=8,
+                head_size=128, block_size=16, dtype=torch.bfloat16)
+    monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", "0")
+    fma, _, _ = case.run(ops.paged_attention)
+    monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", "1")
+    dot, dot_lse, _ = case.run(ops.paged_attention, lse=True)
+    assert not torch.equal(dot, fma)
+    torch.testing.assert_close(dot.float(), fma.float(), rtol=1.6e-2, atol=1.6e-2)
+    slot = int(case.block_tables[1, 1098 // 16]) * 16 + 1098 % 16  # the last draft token's row
+    case.value_cache.view(-1, 8, 128)[slot] = float("inf")
+    out, lse, _ = case.run(ops.paged_attention, lse=True)
+    assert torch.equal(out[:5], dot[:5]) and torch.equal(lse[:5], dot_lse[:5])
+    assert not torch.isfinite(out[5]).all()
+
+
 def test_levels_are_reported(monkeypatch):
     assert INFO["cpu_isa_levels"] == ["baseline", "avx2", "avx512"]
-    assert isinstance(INFO["cpu_amx"], bool)
+    assert isinstance(INFO["cpu_amx"], bool) and isinstance(INFO["cpu_bf16_dot"], bool)
     assert "baseline" in INFO["cpu_isa_supported"]
     monkeypatch.delenv("PAGEDSPEC_CPU_ISA", raising=False)
     assert pagedspec.build_info()["cpu_isa"] == INFO["cpu_isa_supported"][-1], \

@@ -13,6 +13,8 @@
 // with a zero weight, so inf or NaN in unused slots or in a later draft token cannot reach it.
 // The next tile's K rows and this tile's V rows are prefetched while scoring (the rows are
 // scattered by the block table, so the hardware prefetchers cannot run ahead).
+// On the AVX-512 level, bf16 tasks may instead score and accumulate with AMX tile multiplies
+// (cpu/amx.h, many rows, AMX machines) or with AVX512-BF16 dot products (cpu_bf16_dot()).
 //
 // The work comes from a split-KV plan (attention_plan.h): one task per (item, KV head); items of
 // split sequences write a partial (acc, max, sum), merged afterwards with merge_softmax.
@@ -143,6 +145,116 @@ inline void accumulate_block(float* __restrict acc, const float* __restrict w,
   for (; d < D; d += kRegLanes) accumulate_span<NR, 1>(acc, w, v, reader, n, D, w_stride, d);
 }
 
+#if PAGEDSPEC_CPU_LEVEL == 2
+// The bf16 dot-product path (cpu_bf16_dot(): AVX512-BF16, bf16 queries on a bf16 cache, D a
+// multiple of 32). A register holds 32 bf16, and each vdpbf16ps adds two exact products per
+// float32 lane, so a score takes half the instructions of the FMA path and its K rows are read
+// as stored, not widened.
+
+// out[r * NT + t] = scale * q[r] . k[t] over raw bf16 rows (q stride D), as score_block.
+template <int NR, int NT>
+[[gnu::always_inline]] inline void score_block_dot(const uint16_t* __restrict q,
+                                                   const uint16_t* const* k, int D, float scale,
+                                                   float* out) {
+  __m512 acc[NR][NT];
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  }
+  for (int d = 0; d < D; d += 32) {
+    __m512i kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = _mm512_loadu_si512(k[t] + d);
+    for (int r = 0; r < NR; ++r) {
+      const __m512i qv = _mm512_loadu_si512(q + r * D + d);
+      for (int t = 0; t < NT; ++t) acc[r][t] = vdot_bf16(acc[r][t], qv, kv[t]);
+    }
+  }
+  if constexpr (NR * NT == 16) {
+    _mm512_storeu_ps(out, _mm512_mul_ps(sum16(&acc[0][0]), _mm512_set1_ps(scale)));
+  } else {
+    for (int r = 0; r < NR; ++r) {
+      for (int t = 0; t < NT; ++t) out[r * NT + t] = vsum(acc[r][t]) * scale;
+    }
+  }
+}
+
+// The dot path's accumulators pair two positions per lane: v[t] and v[t + 1] interleaved 16 bits
+// at a time (unpacklo / unpackhi within each 128-bit lane) against the weight pair (w[t], w[t+1]).
+// So within each 32 dimensions of a row, the first 16 floats hold dimensions 0-3, 8-11, 16-19,
+// 24-27 and the second 16 the others; dot_to_natural puts a row back in order.
+struct DotLayout {
+  alignas(64) int first[16];   // natural dimension j < 16: its lane in (first, second) as 0..31
+  alignas(64) int second[16];  // natural dimension 16 + j
+};
+constexpr DotLayout make_dot_layout() {
+  DotLayout t{};
+  for (int j = 0; j < 32; ++j) {
+    const int lane128 = j / 8, m = j % 8;
+    const int src = m < 4 ? 4 * lane128 + m : 16 + 4 * lane128 + (m - 4);
+    (j < 16 ? t.first[j] : t.second[j - 16]) = src;
+  }
+  return t;
+}
+
+inline void dot_to_natural(float* __restrict row, int D) {
+  static constexpr DotLayout kLayout = make_dot_layout();
+  const __m512i first = _mm512_load_si512(kLayout.first);
+  const __m512i second = _mm512_load_si512(kLayout.second);
+  for (int d = 0; d < D; d += 32) {
+    const __m512 lo = _mm512_loadu_ps(row + d), hi = _mm512_loadu_ps(row + d + 16);
+    _mm512_storeu_ps(row + d, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(row + d + 16, _mm512_permutex2var_ps(lo, second, hi));
+  }
+}
+
+// acc (dot layout) [d0, d0 + 32 C) += sum_t w[r][t] * v[t] for NR rows over n value rows, w the
+// weights as bf16 bits (stride w_stride). An odd last position pairs with a zero vector and a zero
+// weight: the row after it may be past a row's limit, so it is never read.
+template <int NR, int C>
+[[gnu::always_inline]] inline void accumulate_span_dot(float* __restrict acc,
+                                                       const uint16_t* __restrict w,
+                                                       const uint16_t* const* v, int n, int D,
+                                                       int w_stride, int d0) {
+  __m512 a[NR][2 * C];
+  for (int r = 0; r < NR; ++r) {
+    for (int j = 0; j < 2 * C; ++j) a[r][j] = _mm512_loadu_ps(acc + r * D + d0 + 16 * j);
+  }
+  const auto step = [&](int t, bool pair) {
+    __m512i lo[C], hi[C];
+    for (int c = 0; c < C; ++c) {
+      const __m512i v0 = _mm512_loadu_si512(v[t] + d0 + 32 * c);
+      const __m512i v1 = pair ? _mm512_loadu_si512(v[t + 1] + d0 + 32 * c) : _mm512_setzero_si512();
+      lo[c] = _mm512_unpacklo_epi16(v0, v1);
+      hi[c] = _mm512_unpackhi_epi16(v0, v1);
+    }
+    for (int r = 0; r < NR; ++r) {
+      const uint16_t* wr = w + r * w_stride + t;
+      uint32_t bits = wr[0];
+      if (pair) std::memcpy(&bits, wr, sizeof(bits));  // (w[t], w[t + 1]), little-endian
+      const __m512i wp = _mm512_set1_epi32(int(bits));
+      for (int c = 0; c < C; ++c) {
+        a[r][2 * c] = vdot_bf16(a[r][2 * c], wp, lo[c]);
+        a[r][2 * c + 1] = vdot_bf16(a[r][2 * c + 1], wp, hi[c]);
+      }
+    }
+  };
+  int t = 0;
+  for (; t + 2 <= n; t += 2) step(t, true);
+  if (t < n) step(t, false);
+  for (int r = 0; r < NR; ++r) {
+    for (int j = 0; j < 2 * C; ++j) _mm512_storeu_ps(acc + r * D + d0 + 16 * j, a[r][j]);
+  }
+}
+
+// accumulate_block for the dot path: spans of 64 dimensions (4 rows x 4 accumulators), then 32.
+template <int NR>
+inline void accumulate_block_dot(float* __restrict acc, const uint16_t* __restrict w,
+                                 const uint16_t* const* v, int n, int D, int w_stride) {
+  int d = 0;
+  for (; d + 64 <= D; d += 64) accumulate_span_dot<NR, 2>(acc, w, v, n, D, w_stride, d);
+  for (; d < D; d += 32) accumulate_span_dot<NR, 1>(acc, w, v, n, D, w_stride, d);
+}
+#endif
+
 // Asks for the cache lines of `bytes` bytes at `ptr`. Each (position, KV head) row is only
 // D * elem_size bytes, scattered by the block table, so the hardware prefetchers cannot run ahead;
 // the kernel prefetches a tile ahead instead.
@@ -180,7 +292,8 @@ class CpuPagedAttention {
   using Reader = CacheReader<CacheT, F>;
 
  public:
-  explicit CpuPagedAttention(const PagedAttentionParams<QT, CacheT>& p) : p_(p) {}
+  explicit CpuPagedAttention(const PagedAttentionParams<QT, CacheT>& p)
+      : p_(p), bf16_dot_(kDotCapable && p.head_size % 32 == 0 && cpu_bf16_dot()) {}
 
   RowInfo row_info(int seq, int kv_head, int row) const {
     const int G = p_.group_size();
@@ -195,6 +308,9 @@ class CpuPagedAttention {
     std::vector<float> q, acc, w;
     std::vector<uint16_t> q_vnni;  // the AMX path's query rows (amx_pack_queries), if taken
     bool amx = false;              // this task's scores come from amx_scores
+    // The dot path's query rows ([rows, D] bf16 bits) and weights ([rows, kTile] bf16 bits).
+    std::vector<uint16_t> q_bf16, w_bf16;
+    bool dot = false;              // this task runs the bf16 dot-product path
     std::vector<RowInfo> rows;
     std::vector<SoftmaxState> state;
     std::vector<int> visible;
@@ -211,6 +327,20 @@ class CpuPagedAttention {
         : q(size_t(kMaxRows) * D), acc(size_t(kMaxRows) * D), w(size_t(kMaxRows) * kTile),
           rows(kMaxRows), state(kMaxRows), visible(kMaxRows) {}
   };
+
+  // The bf16 dot-product path: bf16 queries on a bf16 cache, on the avx512 level.
+  static constexpr bool kDotCapable = PAGEDSPEC_CPU_LEVEL == 2 &&
+                                      std::is_same_v<QT, c10::BFloat16> &&
+                                      std::is_same_v<CacheT, c10::BFloat16>;
+  // Chooses a task's path: AMX tile multiplies, the bf16 dot products or the FMA path.
+  void choose_path(Workspace& ws, int R) const {
+    ws.amx = use_amx(R);
+    ws.dot = bf16_dot_ && !ws.amx;
+    if (ws.dot) {
+      ws.q_bf16.resize(size_t(kMaxRows) * p_.head_size);
+      ws.w_bf16.resize(size_t(kMaxRows) * kTile);
+    }
+  }
 
   // The AMX score path: bf16 queries on a bf16 or FP8 cache on the AVX-512 level, with enough
   // rows per key.
@@ -323,8 +453,9 @@ class CpuPagedAttention {
            int64_t(info.head) * p_.q_head_stride;
   }
 
-  // Locates the task's query rows and, unless its scores come from the AMX path (ws.amx, which
-  // packs the unscaled rows itself), loads them scaled into the log2 domain (and by the K factor).
+  // Locates the task's query rows and loads them: as stored for the dot path (ws.dot, which
+  // scales its float32 scores), not at all for the AMX path (ws.amx, which packs the unscaled
+  // rows itself), else scaled into the log2 domain (and by the K factor).
   void load_queries(const Task& task, Workspace& ws) const {
     const int D = p_.head_size;
     const float q_scale = score_scale(task.kv_head);
@@ -333,6 +464,10 @@ class CpuPagedAttention {
       ws.rows[r] = info;
       if (ws.amx) continue;
       const QT* src = query_row(info);
+      if (ws.dot) {
+        std::memcpy(ws.q_bf16.data() + size_t(r) * D, src, size_t(D) * sizeof(QT));
+        continue;
+      }
       float* dst = ws.q.data() + size_t(r) * D;
 #pragma omp simd
       for (int d = 0; d < D; ++d) dst[d] = ScalarConvert<QT>::to_float(src[d]) * q_scale;
@@ -368,28 +503,43 @@ class CpuPagedAttention {
 
   // ws.w[r][t] = q[r] . k[t] for every row and every position it may see, blocks of four rows
   // and kScoreTokens positions. Rows ascend in query token, so the last row of a group sees the most.
-  void score_tile(int R, Workspace& ws, bool want_values) const {
+  void score_tile(const Task& task, Workspace& ws, bool want_values) const {
     const int D = p_.head_size;
+    const int R = task.num_rows;
     const int row_bytes = D * int(sizeof(CacheT));
+    [[maybe_unused]] const float dot_scale = score_scale(task.kv_head);  // the dot path's
+    // One score block: through the dot path or the FMA path.
+    const auto block = [&](auto NR, auto NT, int r0, int t, float* out) {
+#if PAGEDSPEC_CPU_LEVEL == 2
+      if constexpr (kDotCapable) {
+        if (ws.dot) {
+          score_block_dot<NR, NT>(ws.q_bf16.data() + size_t(r0) * D,
+                                  reinterpret_cast<const uint16_t* const*>(ws.krows + t), D,
+                                  dot_scale, out);
+          return;
+        }
+      }
+#endif
+      score_block<NR, NT>(ws.q.data() + size_t(r0) * D, ws.krows + t, ws.kreader, D, out);
+    };
     for (int r0 = 0; r0 < R; r0 += 4) {
       const int nr = std::min(4, R - r0);
       const int group_visible = ws.visible[r0 + nr - 1];
       with_rows(nr, [&](auto NR) {
         float out[4 * kScoreTokens];
-        const float* q = ws.q.data() + size_t(r0) * D;
         int t = 0;
         for (; t + kScoreTokens <= group_visible; t += kScoreTokens) {
           if (r0 == 0) {
             for (int i = t; i < t + kScoreTokens; ++i) prefetch_position(ws, i, want_values, row_bytes);
           }
-          score_block<NR, kScoreTokens>(q, ws.krows + t, ws.kreader, D, out);
+          block(NR, std::integral_constant<int, kScoreTokens>{}, r0, t, out);
           for (int i = 0; i < NR; ++i) {
             for (int j = 0; j < kScoreTokens; ++j) ws.w[(r0 + i) * kTile + t + j] = out[i * kScoreTokens + j];
           }
         }
         for (; t < group_visible; ++t) {
           if (r0 == 0) prefetch_position(ws, t, want_values, row_bytes);
-          score_block<NR, 1>(q, ws.krows + t, ws.kreader, D, out);
+          block(NR, std::integral_constant<int, 1>{}, r0, t, out);
           for (int i = 0; i < NR; ++i) ws.w[(r0 + i) * kTile + t] = out[i];
         }
       });
@@ -411,7 +561,7 @@ class CpuPagedAttention {
   void attend(const Task& task, Workspace& ws) const {
     const int D = p_.head_size;
     const int R = task.num_rows;
-    ws.amx = use_amx(R);
+    choose_path(ws, R);
     load_queries(task, ws);
     if (ws.amx) begin_amx(ws, R);
     ws.kreader.init();
@@ -429,7 +579,7 @@ class CpuPagedAttention {
       if (ws.amx) {
         score_tile_amx(task, ws, n, true);
       } else {
-        score_tile(R, ws, true);
+        score_tile(task, ws, true);
       }
       // Online softmax per row over the positions it sees (scores past its limit are left unread).
       for (int r = 0; r < R; ++r) {
@@ -442,6 +592,16 @@ class CpuPagedAttention {
           st.sum += exp2_weights(w, visible, st.max);
         }
       }
+#if PAGEDSPEC_CPU_LEVEL == 2
+      if (ws.dot) {  // the weights as bf16 for the dot path's P.V (those past a row unread)
+        for (int r = 0; r < R; ++r) {
+          for (int t = 0; t < kTile; t += 16) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ws.w_bf16.data() + r * kTile + t),
+                                round_to_bf16(_mm512_loadu_ps(ws.w.data() + r * kTile + t)));
+          }
+        }
+      }
+#endif
       if (ws.amx && n == kTile && ws.visible[0] == kTile) {
         // Every row sees the whole tile (rows ascend, so the first sees the least): no position
         // is past a row's limit, so the tile multiply may take them all (the causal tail and
@@ -454,6 +614,11 @@ class CpuPagedAttention {
       }
     }
     if (ws.amx) amx_end();
+#if PAGEDSPEC_CPU_LEVEL == 2
+    if (ws.dot) {
+      for (int r = 0; r < R; ++r) dot_to_natural(ws.acc.data() + size_t(r) * D, D);
+    }
+#endif
   }
 
   // acc[r] += sum over the positions row r sees of w[r][t] * v[t], for rows r0 .. r0 + nr - 1.
@@ -470,6 +635,17 @@ class CpuPagedAttention {
       if (end > begin) {
         const int row = r0 + i;
         with_rows(nr - i, [&](auto NR) {
+#if PAGEDSPEC_CPU_LEVEL == 2
+          if constexpr (kDotCapable) {
+            if (ws.dot) {
+              accumulate_block_dot<NR>(ws.acc.data() + size_t(row) * D,
+                                       ws.w_bf16.data() + row * kTile + begin,
+                                       reinterpret_cast<const uint16_t* const*>(ws.vrows + begin),
+                                       end - begin, D, kTile);
+              return;
+            }
+          }
+#endif
           accumulate_block<NR>(ws.acc.data() + size_t(row) * D, ws.w.data() + row * kTile + begin,
                                ws.vrows + begin, ws.vreader, end - begin, D, kTile);
         });
@@ -559,6 +735,8 @@ class CpuPagedAttention {
           for (int row0 = 0; row0 < q_len * G; row0 += kMaxRows) {
             const Task task{span.seq, kv_head, row0, std::min(kMaxRows, q_len * G - row0),
                             span.pos_begin, span.pos_end, 0};
+            ws.dot = bf16_dot_;  // scores as attend() computes them (AMX aside)
+            if (ws.dot) ws.q_bf16.resize(size_t(kMaxRows) * p_.head_size);
             load_queries(task, ws);
             for (int r = 0; r < task.num_rows; ++r) {
               lse2[r] = lse[int64_t(ws.rows[r].token) * p_.num_heads + ws.rows[r].head] * kLog2e;
@@ -567,7 +745,7 @@ class CpuPagedAttention {
             for (int start = span.pos_begin; start < pos_end; start += kTile) {
               const int n = std::min(kTile, pos_end - start);
               locate_tile(task, ws, start, n, std::min(kTile, pos_end - start - kTile));
-              score_tile(task.num_rows, ws, false);
+              score_tile(task, ws, false);
               for (int r = 0; r < task.num_rows; ++r) {
                 const float* w = ws.w.data() + r * kTile;
                 float* m = mass.data() + (start - span.pos_begin);
@@ -586,6 +764,7 @@ class CpuPagedAttention {
 
  private:
   const PagedAttentionParams<QT, CacheT>& p_;
+  const bool bf16_dot_;  // the dot path for every task the AMX path does not take
 };
 
 // The plan's work items as CPU tasks: one per (item, KV head).

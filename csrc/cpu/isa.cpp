@@ -1,5 +1,7 @@
 #include "cpu/isa.h"
 
+#include "cpu/amx.h"
+
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
@@ -52,6 +54,24 @@ CpuIsa cpu_isa() {
   }
   TORCH_CHECK(false, "pagedspec: PAGEDSPEC_CPU_ISA must be baseline, avx2 or avx512, got '", name,
               "'");
+}
+
+bool cpu_bf16_dot_supported() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool supported =
+      cpu_supports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
+  return supported;
+#else
+  return false;
+#endif
+}
+
+bool cpu_bf16_dot() {
+  const char* env = std::getenv("PAGEDSPEC_CPU_BF16_DOT");
+  const std::string forced = env == nullptr ? "" : env;
+  if (forced == "0") return false;
+  if (forced == "1") return cpu_bf16_dot_supported();
+  return cpu_bf16_dot_supported() && !amx_supported();
 }
 
 }  // namespace pagedspec

@@ -19,4 +19,14 @@ CpuIsa best_cpu_isa();
 // The level to run now: PAGEDSPEC_CPU_ISA if set (error if unknown or unsupported), else the best.
 CpuIsa cpu_isa();
 
+// The avx512 level's bf16 dot-product path (vdpbf16ps: 32 bf16 products per instruction where an
+// FMA takes 16 float32): whether the CPU has AVX512-BF16, and whether attention on bf16 caches
+// takes it now. By default it does where the CPU has no AMX-BF16: on AMD Zen 4 a vdpbf16ps issues
+// at the FMA's rate, twice the arithmetic, while on AMX machines (Sapphire Rapids) it issues at a
+// quarter of the FMA's rate and the tile multiplies do the many-row tasks instead.
+// PAGEDSPEC_CPU_BF16_DOT=0 turns it off, =1 on wherever the CPU has the instruction (read at every
+// call, as PAGEDSPEC_CPU_ISA, so tests can run both paths).
+bool cpu_bf16_dot_supported();
+bool cpu_bf16_dot();
+
 }  // namespace pagedspec

@@ -1,6 +1,7 @@
 // The CPU kernels' vector abstraction: 16-float vectors (vfloat) and their operations, the
 // vectorized exp2 of a softmax tile, cache elements decoded 16 at a time (CacheReader), FP8
-// encoding of a row (quantize_fp8_row), and a 16-way horizontal sum, for one ISA level:
+// encoding of a row (quantize_fp8_row), a 16-way horizontal sum and (AVX-512) the bf16 dot
+// product, for one ISA level:
 // PAGEDSPEC_CPU_LEVEL 2 (AVX-512 F/BW/VL/DQ), 1 (AVX2 + FMA + F16C) or 0 (baseline x86-64). A
 // kernel source includes it once, after `#pragma GCC target` has enabled the level's
 // instructions (see cpu/isa.h): one source, built once per level, each in its own namespace
@@ -442,6 +443,24 @@ inline __m512 sum16(const __m512* x) {
     }
   }
   return v[0];
+}
+
+// acc lane i += a[2i] * b[2i] + a[2i + 1] * b[2i + 1] over the 32 bf16 of a and b: AVX512-BF16's
+// vdpbf16ps (the products are exact; denormal inputs and results are flushed to zero). Written in
+// asm so that the avx512 level's object is built without the avx512bf16 target, which would let
+// GCC use the extension anywhere in code that must run on AVX-512 CPUs without it: only code
+// behind cpu_bf16_dot() executes this.
+inline __m512 vdot_bf16(__m512 acc, __m512i a, __m512i b) {
+  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
+  return acc;
+}
+
+// 16 finite float32 rounded to bf16 (to nearest even), as 16 bit patterns.
+inline __m256i round_to_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
 }
 #endif
 

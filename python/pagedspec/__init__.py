@@ -28,7 +28,10 @@ def build_info() -> dict:
     ``cpu_isa_supported`` (those this CPU runs) and ``cpu_isa`` (the one in use: the best
     supported, or ``PAGEDSPEC_CPU_ISA=baseline|avx2|avx512``) and ``cpu_amx`` (whether the
     avx512 level's attention with bf16 queries, on bf16 or FP8 caches, uses AMX tile multiplies:
-    the CPU has AMX-BF16, the OS allows it, and ``PAGEDSPEC_CPU_AMX`` is not ``0``).
+    the CPU has AMX-BF16, the OS allows it, and ``PAGEDSPEC_CPU_AMX`` is not ``0``) and
+    ``cpu_bf16_dot`` (whether that level's attention with bf16 queries on a bf16 cache uses
+    AVX512-BF16 dot products: by default where the CPU has them and no AMX-BF16;
+    ``PAGEDSPEC_CPU_BF16_DOT=0`` or ``1`` forces it).
     """
     with_cuda = bool(_C.with_cuda)
     return {
@@ -44,4 +47,5 @@ def build_info() -> dict:
         "cpu_isa_supported": list(_C.cpu_isa_supported),
         "cpu_isa": _C.cpu_isa(),
         "cpu_amx": _C.cpu_amx(),
+        "cpu_bf16_dot": _C.cpu_bf16_dot(),
     }
