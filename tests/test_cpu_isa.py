@@ -91,10 +91,12 @@ HAS_BF16_DOT = _bf16_dot_supported()
                                                      ([2, 9, 1], [33, 700, 64], (8, 1)),
                                                      ([1, 1, 1], [1, 31, 1100], (8, 2))])
 @pytest.mark.parametrize("head_size", [64, 96, 128, 256])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
 @pytest.mark.parametrize("block_size", [16, 8])
 def test_bf16_dot_path_matches_reference(gen, monkeypatch, dot, variant, q_lens, seq_lens, heads,
-                                         head_size, block_size):
-    """bf16 queries on a bf16 cache at the avx512 level, through AVX512-BF16 dot products
+                                         head_size, cache_dtype, block_size):
+    """bf16 queries on a bf16 or FP8 cache (its codes converted exactly to bf16 images) at the
+    avx512 level, through AVX512-BF16 dot products
     (PAGEDSPEC_CPU_BF16_DOT=1: exact products, float32 sums in another order; weights rounded to
     bf16 for P.V, 2^-9 relative, inside bf16 output's tolerance) and through the FMA path (=0),
     with AMX off so that every task takes the path asked for. Head size 96 leaves a 32-wide span
@@ -108,18 +110,20 @@ def test_bf16_dot_path_matches_reference(gen, monkeypatch, dot, variant, q_lens,
     monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", dot)
     assert pagedspec._C.cpu_bf16_dot() == (dot == "1")
     case = Case(gen, seq_lens=seq_lens, q_lens=q_lens, num_heads=heads[0], num_kv_heads=heads[1],
-                head_size=head_size, block_size=block_size, dtype=torch.bfloat16)
+                head_size=head_size, block_size=block_size, dtype=torch.bfloat16,
+                cache_dtype=cache_dtype, per_head_scale=cache_dtype in FP8)
     check_case(case, VARIANTS[variant], lse=True, mass=(variant == "v1"))
 
 
 @pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU has no AVX512-BF16")
-def test_bf16_dot_path_is_taken_and_isolates(gen, monkeypatch):
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
+def test_bf16_dot_path_is_taken_and_isolates(gen, monkeypatch, cache_dtype):
     """The dot and FMA paths round differently, so equal outputs would mean the dot path never
-    ran; and a later draft token's V set to inf leaves the earlier tokens bit-identical on it."""
+    ran; and a later draft token's V set to NaN leaves the earlier tokens bit-identical on it."""
     monkeypatch.setenv("PAGEDSPEC_CPU_ISA", "avx512")
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")
     case = Case(gen, seq_lens=[700, 1099], q_lens=[1, 5], num_heads=32, num_kv_heads=8,
-                head_size=128, block_size=16, dtype=torch.bfloat16)
+                head_size=128, block_size=16, dtype=torch.bfloat16, cache_dtype=cache_dtype)
     monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", "0")
     fma, _, _ = case.run(ops.paged_attention)
     monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", "1")
@@ -127,7 +131,7 @@ def test_bf16_dot_path_is_taken_and_isolates(gen, monkeypatch):
     assert not torch.equal(dot, fma)
     torch.testing.assert_close(dot.float(), fma.float(), rtol=1.6e-2, atol=1.6e-2)
     slot = int(case.block_tables[1, 1098 // 16]) * 16 + 1098 % 16  # the last draft token's row
-    case.value_cache.view(-1, 8, 128)[slot] = float("inf")
+    case.value_cache.view(-1, 8, 128)[slot] = float("nan")  # NaN in every cache format
     out, lse, _ = case.run(ops.paged_attention, lse=True)
     assert torch.equal(out[:5], dot[:5]) and torch.equal(lse[:5], dot_lse[:5])
     assert not torch.isfinite(out[5]).all()

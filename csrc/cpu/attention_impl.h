@@ -318,29 +318,17 @@ class CpuPagedAttention {
     const CacheT* vrows[kTile];
     const CacheT* next_krows[kTile];  // null past the end
     CacheReader<CacheT, F> kreader, vreader;
-    // The AMX path on an FP8 cache: the tile's K and V rows as bf16 images, [kTile, D] each.
+    // The AMX and dot paths on an FP8 cache: the tile's K and V rows as bf16 images, [kTile, D]
+    // each (bf16_rows).
     std::vector<uint16_t> kimg, vimg;
     const uint16_t* kimg_rows[kTile];
     const uint16_t* vimg_rows[kTile];
+    const uint16_t* const* dot_vrows = nullptr;  // the dot path: this tile's V rows as bf16
 
     explicit Workspace(int D)
         : q(size_t(kMaxRows) * D), acc(size_t(kMaxRows) * D), w(size_t(kMaxRows) * kTile),
           rows(kMaxRows), state(kMaxRows), visible(kMaxRows) {}
   };
-
-  // The bf16 dot-product path: bf16 queries on a bf16 cache, on the avx512 level.
-  static constexpr bool kDotCapable = PAGEDSPEC_CPU_LEVEL == 2 &&
-                                      std::is_same_v<QT, c10::BFloat16> &&
-                                      std::is_same_v<CacheT, c10::BFloat16>;
-  // Chooses a task's path: AMX tile multiplies, the bf16 dot products or the FMA path.
-  void choose_path(Workspace& ws, int R) const {
-    ws.amx = use_amx(R);
-    ws.dot = bf16_dot_ && !ws.amx;
-    if (ws.dot) {
-      ws.q_bf16.resize(size_t(kMaxRows) * p_.head_size);
-      ws.w_bf16.resize(size_t(kMaxRows) * kTile);
-    }
-  }
 
   // The AMX score path: bf16 queries on a bf16 or FP8 cache on the AVX-512 level, with enough
   // rows per key.
@@ -352,6 +340,24 @@ class CpuPagedAttention {
       return R >= kAmxMinRows && p_.head_size % kAmxDims == 0 && amx_available();
     } else {
       return false;
+    }
+  }
+
+  // The bf16 dot-product path takes the AMX path's operands: bf16 queries on a bf16 cache, or on
+  // an FP8 one through the bf16 images of its codes (bf16_rows).
+  static constexpr bool kDotCapable = kAmxCapable;
+  // Chooses a task's path: AMX tile multiplies, the bf16 dot products or the FMA path.
+  void choose_path(Workspace& ws, int R) const {
+    ws.amx = use_amx(R);
+    ws.dot = bf16_dot_ && !ws.amx;
+    if (ws.dot) prepare_dot(ws);
+  }
+  void prepare_dot(Workspace& ws) const {
+    ws.q_bf16.resize(size_t(kMaxRows) * p_.head_size);
+    ws.w_bf16.resize(size_t(kMaxRows) * kTile);
+    if constexpr (F != CacheFormat::kNative) {
+      ws.kimg.resize(size_t(kTile) * p_.head_size);
+      ws.vimg.resize(size_t(kTile) * p_.head_size);
     }
   }
 
@@ -369,7 +375,8 @@ class CpuPagedAttention {
     amx_begin();
   }
 
-  // Rows [first, first + n) of `rows` as the bf16 rows the tile multiplies read: a bf16 cache's
+  // Rows [first, first + n) of `rows` as the bf16 rows the tile multiplies and the dot path
+  // read: a bf16 cache's
   // in place; an FP8 cache's converted into `buf` as the bf16 bits of their images (the values
   // CacheReader reads, so the scale folds in as on the FMA path), 32 codes at a time: the
   // magnitude's bits from the reader's table of the 128 magnitudes, narrowed to bf16 in four
@@ -377,7 +384,7 @@ class CpuPagedAttention {
   // that is 8 operations, where widening to float32 and narrowing again took 20. The narrowing
   // is exact: an image has at most 4 significant bits and lies inside bf16's normal range, so
   // its float32 bits end in 16 zeros (NaN stays NaN).
-  const uint16_t* const* amx_rows(const CacheT* const* rows, int first, int n,
+  const uint16_t* const* bf16_rows(const CacheT* const* rows, int first, int n,
                                   const Reader& reader, std::vector<uint16_t>& buf,
                                   const uint16_t** out) const {
     if constexpr (F == CacheFormat::kNative) {
@@ -432,7 +439,7 @@ class CpuPagedAttention {
     const float q_scale = score_scale(task.kv_head);
     for (int t = 0; t < n; ++t) prefetch_position(ws, t, want_values, row_bytes);
     amx_scores(ws.q_vnni.data(), task.num_rows,
-               amx_rows(ws.krows, 0, n, ws.kreader, ws.kimg, ws.kimg_rows), n, D, q_scale,
+               bf16_rows(ws.krows, 0, n, ws.kreader, ws.kimg, ws.kimg_rows), n, D, q_scale,
                ws.w.data(), kTile);
   }
 
@@ -507,15 +514,21 @@ class CpuPagedAttention {
     const int D = p_.head_size;
     const int R = task.num_rows;
     const int row_bytes = D * int(sizeof(CacheT));
-    [[maybe_unused]] const float dot_scale = score_scale(task.kv_head);  // the dot path's
+    // The dot path's scale and K rows as bf16 (those any row sees).
+    [[maybe_unused]] const float dot_scale = score_scale(task.kv_head);
+    [[maybe_unused]] const uint16_t* const* dot_krows = nullptr;
+    if constexpr (kDotCapable) {
+      if (ws.dot) {
+        dot_krows = bf16_rows(ws.krows, 0, ws.visible[R - 1], ws.kreader, ws.kimg, ws.kimg_rows);
+      }
+    }
     // One score block: through the dot path or the FMA path.
     const auto block = [&](auto NR, auto NT, int r0, int t, float* out) {
 #if PAGEDSPEC_CPU_LEVEL == 2
       if constexpr (kDotCapable) {
         if (ws.dot) {
-          score_block_dot<NR, NT>(ws.q_bf16.data() + size_t(r0) * D,
-                                  reinterpret_cast<const uint16_t* const*>(ws.krows + t), D,
-                                  dot_scale, out);
+          score_block_dot<NR, NT>(ws.q_bf16.data() + size_t(r0) * D, dot_krows + t, D, dot_scale,
+                                  out);
           return;
         }
       }
@@ -593,7 +606,10 @@ class CpuPagedAttention {
         }
       }
 #if PAGEDSPEC_CPU_LEVEL == 2
-      if (ws.dot) {  // the weights as bf16 for the dot path's P.V (those past a row unread)
+      if (ws.dot) {  // V rows and weights as bf16 for the dot path's P.V (those past a row unread)
+        if constexpr (kDotCapable) {
+          ws.dot_vrows = bf16_rows(ws.vrows, 0, n, ws.vreader, ws.vimg, ws.vimg_rows);
+        }
         for (int r = 0; r < R; ++r) {
           for (int t = 0; t < kTile; t += 16) {
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(ws.w_bf16.data() + r * kTile + t),
@@ -607,7 +623,7 @@ class CpuPagedAttention {
         // is past a row's limit, so the tile multiply may take them all (the causal tail and
         // partial tiles stay on the FMA path, which accumulates per visible segment).
         amx_accumulate(ws.w.data(), kTile, R,
-                       amx_rows(ws.vrows, 0, kTile, ws.vreader, ws.vimg, ws.vimg_rows), D,
+                       bf16_rows(ws.vrows, 0, kTile, ws.vreader, ws.vimg, ws.vimg_rows), D,
                        ws.acc.data());
       } else {
         for (int r0 = 0; r0 < R; r0 += 4) accumulate_rows(ws, r0, std::min(4, R - r0));
@@ -640,8 +656,7 @@ class CpuPagedAttention {
             if (ws.dot) {
               accumulate_block_dot<NR>(ws.acc.data() + size_t(row) * D,
                                        ws.w_bf16.data() + row * kTile + begin,
-                                       reinterpret_cast<const uint16_t* const*>(ws.vrows + begin),
-                                       end - begin, D, kTile);
+                                       ws.dot_vrows + begin, end - begin, D, kTile);
               return;
             }
           }
@@ -736,7 +751,7 @@ class CpuPagedAttention {
             const Task task{span.seq, kv_head, row0, std::min(kMaxRows, q_len * G - row0),
                             span.pos_begin, span.pos_end, 0};
             ws.dot = bf16_dot_;  // scores as attend() computes them (AMX aside)
-            if (ws.dot) ws.q_bf16.resize(size_t(kMaxRows) * p_.head_size);
+            if (ws.dot) prepare_dot(ws);
             load_queries(task, ws);
             for (int r = 0; r < task.num_rows; ++r) {
               lse2[r] = lse[int64_t(ws.rows[r].token) * p_.num_heads + ws.rows[r].head] * kLog2e;

@@ -403,46 +403,29 @@ inline void quantize_fp8_row(const InT* __restrict in, uint8_t* __restrict out, 
 }
 
 #if PAGEDSPEC_CPU_LEVEL == 2
-// Horizontal sums of 16 vectors at once: lane i of the result is the sum of x[i]'s lanes. Each
-// level adds the two halves of every input's live lanes while packing two inputs into one
-// vector (16 -> 8 -> 4 -> 2 -> 1 live lanes per input): 30 permutes and 15 adds for 16 sums,
-// against 8 operations per sum for one reduction at a time.
-struct Sum16Tables {
-  alignas(64) int lo[4][16];
-  alignas(64) int hi[4][16];
-};
-
-constexpr Sum16Tables make_sum16_tables() {
-  Sum16Tables t{};
-  int live = 16;
-  for (int level = 0; level < 4; ++level) {
-    live /= 2;
-    const int per_operand = 16 / (2 * live);  // inputs each operand holds at this level
-    // Output lane j: input j / live of the pair (the first operand's, then the second's), its
-    // lane j % live plus the lane `live` above it.
-    for (int j = 0; j < 16; ++j) {
-      const int input = j / live;
-      const int src = (input % per_operand) * 2 * live + j % live + (input >= per_operand ? 16 : 0);
-      t.lo[level][j] = src;
-      t.hi[level][j] = src + live;
-    }
-  }
-  return t;
-}
-
-inline __m512 sum16(const __m512* x) {
-  static constexpr Sum16Tables kTables = make_sum16_tables();
+// Horizontal sums of 16 vectors at once: lane i of the result is the sum of x[i]'s lanes. Four
+// levels each add the two halves of every input's live lanes while packing two inputs into one
+// vector (16 -> 8 -> 4 -> 2 -> 1 live lanes per input): 128-bit blocks across the register
+// (vshuff32x4), then lanes within each block (vshufps), 30 shuffles and 15 adds for 16 sums. The
+// shuffles take immediates and leave their sources intact, so no index registers and no copies.
+// Inputs are visited in the order that leaves lane i holding x[i]: the tree puts input k at lane
+// 4 (k % 4) + k / 4.
+[[gnu::always_inline]] inline __m512 sum16(const __m512* x) {
   __m512 v[16];
-  for (int i = 0; i < 16; ++i) v[i] = x[i];
-  for (int level = 0, n = 16; n > 1; ++level, n /= 2) {
-    const __m512i lo = _mm512_load_si512(kTables.lo[level]);
-    const __m512i hi = _mm512_load_si512(kTables.hi[level]);
-    for (int i = 0; i < n / 2; ++i) {
-      v[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[2 * i], lo, v[2 * i + 1]),
-                           _mm512_permutex2var_ps(v[2 * i], hi, v[2 * i + 1]));
-    }
+  for (int k = 0; k < 16; ++k) v[k] = x[4 * (k % 4) + k / 4];
+  for (int i = 0; i < 8; ++i) {  // blocks (0, 1) + (2, 3) of each input
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
   }
-  return v[0];
+  for (int i = 0; i < 4; ++i) {  // block 0 + block 1: one block per input
+    v[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // lanes (0, 1) + (2, 3) within each block
+    v[i] = _mm512_add_ps(_mm512_shuffle_ps(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
 }
 
 // acc lane i += a[2i] * b[2i] + a[2i + 1] * b[2i + 1] over the 32 bf16 of a and b: AVX512-BF16's
