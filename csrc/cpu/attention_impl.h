@@ -146,10 +146,10 @@ inline void accumulate_block(float* __restrict acc, const float* __restrict w,
 }
 
 #if PAGEDSPEC_CPU_LEVEL == 2
-// The bf16 dot-product path (cpu_bf16_dot(): AVX512-BF16, bf16 queries on a bf16 cache, D a
-// multiple of 32). A register holds 32 bf16, and each vdpbf16ps adds two exact products per
-// float32 lane, so a score takes half the instructions of the FMA path and its K rows are read
-// as stored, not widened.
+// The bf16 dot-product path (cpu_bf16_dot(): AVX512-BF16, bf16 queries on a bf16 cache or on
+// the bf16 images of an FP8 cache's codes, D a multiple of 32). A register holds 32 bf16, and
+// each vdpbf16ps adds two exact products per float32 lane, so a score takes half the
+// instructions of the FMA path and bf16 K rows are read as stored, not widened.
 
 // out[r * NT + t] = scale * q[r] . k[t] over raw bf16 rows (q stride D), as score_block.
 template <int NR, int NT>
@@ -245,6 +245,59 @@ template <int NR, int C>
   }
 }
 
+// n rows of D FP8 codes (D a multiple of 32) as the bf16 bits of their images, table[c] being
+// code c's float32 image (CacheReader::table), into dst (row i at dst + i * D; out[i] points
+// there). The narrowing is exact: an image has at most 4 significant bits and lies inside bf16's
+// normal range, so its float32 bits end in 16 zeros (NaN stays NaN). 64 codes per step with
+// AVX512-VBMI byte permutes: the high and the low byte of each image looked up by the code's 7
+// magnitude bits (vpermt2b reads 128 entries from two registers), the sign ORed into the high
+// byte, the bytes interleaved into 16-bit lanes: 6 operations per 64 codes, where 16-bit table
+// lookups took 16. The codes are first permuted into the order that the in-lane interleave
+// (unpacklo / unpackhi) turns back into the natural one. Its own target: the avx512 level does
+// not assume VBMI; its callers check cpu_avx512_vbmi().
+[[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,f16c")]] [[gnu::noinline]]
+void fp8_images_as_bf16(const uint8_t* const* rows, int n, int D, const float* table,
+                        uint16_t* dst, const uint16_t** out) {
+  alignas(64) uint8_t high[128], low[128];
+  for (int c = 0; c < 128; c += 16) {
+    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(table + c));
+    _mm_store_si128(reinterpret_cast<__m128i*>(high + c),
+                    _mm512_cvtepi32_epi8(_mm512_srli_epi32(bits, 24)));
+    _mm_store_si128(reinterpret_cast<__m128i*>(low + c),
+                    _mm512_cvtepi32_epi8(_mm512_srli_epi32(bits, 16)));
+  }
+  const __m512i high0 = _mm512_load_si512(high), high1 = _mm512_load_si512(high + 64);
+  const __m512i low0 = _mm512_load_si512(low), low1 = _mm512_load_si512(low + 64);
+  // Byte 16 L + p of the permuted codes feeds word 8 L + p of unpacklo (p < 8) and word 8 L + p - 8
+  // of unpackhi (p >= 8), 128-bit lane L.
+  alignas(64) uint8_t order[64];
+  for (int lane = 0; lane < 4; ++lane) {
+    for (int p = 0; p < 8; ++p) {
+      order[16 * lane + p] = uint8_t(8 * lane + p);
+      order[16 * lane + 8 + p] = uint8_t(32 + 8 * lane + p);
+    }
+  }
+  const __m512i order_v = _mm512_load_si512(order);
+  const __m512i sign_bit = _mm512_set1_epi8(char(0x80));
+  for (int i = 0; i < n; ++i) {
+    uint16_t* row = dst + size_t(i) * D;
+    for (int d = 0; d < D; d += 64) {
+      const bool half = d + 64 > D;  // a last 32 codes (D = 96, 160, ...)
+      const __m512i raw = half ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                     reinterpret_cast<const __m256i*>(rows[i] + d)))
+                               : _mm512_loadu_si512(rows[i] + d);
+      const __m512i codes = _mm512_permutexvar_epi8(order_v, raw);
+      // high | (codes & 0x80): the sign into the magnitude's high byte.
+      const __m512i hi = _mm512_ternarylogic_epi32(
+          _mm512_permutex2var_epi8(high0, codes, high1), codes, sign_bit, 0xF8);
+      const __m512i lo = _mm512_permutex2var_epi8(low0, codes, low1);
+      _mm512_storeu_si512(row + d, _mm512_unpacklo_epi8(lo, hi));
+      if (!half) _mm512_storeu_si512(row + d + 32, _mm512_unpackhi_epi8(lo, hi));
+    }
+    out[i] = row;
+  }
+}
+
 // accumulate_block for the dot path: spans of 64 dimensions (4 rows x 4 accumulators), then 32.
 template <int NR>
 inline void accumulate_block_dot(float* __restrict acc, const uint16_t* __restrict w,
@@ -337,7 +390,9 @@ class CpuPagedAttention {
       (F != CacheFormat::kNative || std::is_same_v<CacheT, c10::BFloat16>);
   bool use_amx(int R) const {
     if constexpr (kAmxCapable) {
-      return R >= kAmxMinRows && p_.head_size % kAmxDims == 0 && amx_available();
+      // FP8 codes reach the tiles through fp8_images_as_bf16 (VBMI; every AMX CPU has it).
+      return R >= kAmxMinRows && p_.head_size % kAmxDims == 0 && amx_available() &&
+             (F == CacheFormat::kNative || cpu_avx512_vbmi());
     } else {
       return false;
     }
@@ -376,46 +431,18 @@ class CpuPagedAttention {
   }
 
   // Rows [first, first + n) of `rows` as the bf16 rows the tile multiplies and the dot path
-  // read: a bf16 cache's
-  // in place; an FP8 cache's converted into `buf` as the bf16 bits of their images (the values
-  // CacheReader reads, so the scale folds in as on the FMA path), 32 codes at a time: the
-  // magnitude's bits from the reader's table of the 128 magnitudes, narrowed to bf16 in four
-  // registers (two 64-entry permutes, chosen by the code's bit 6), the sign ORed in. Per 32 codes
-  // that is 8 operations, where widening to float32 and narrowing again took 20. The narrowing
-  // is exact: an image has at most 4 significant bits and lies inside bf16's normal range, so
-  // its float32 bits end in 16 zeros (NaN stays NaN).
+  // read: a bf16 cache's in place; an FP8 cache's converted into `buf` as the bf16 bits of their
+  // images (the values CacheReader reads, so the scale folds in as on the FMA path; see
+  // fp8_images_as_bf16).
   const uint16_t* const* bf16_rows(const CacheT* const* rows, int first, int n,
-                                  const Reader& reader, std::vector<uint16_t>& buf,
-                                  const uint16_t** out) const {
+                                   const Reader& reader, std::vector<uint16_t>& buf,
+                                   const uint16_t** out) const {
     if constexpr (F == CacheFormat::kNative) {
       return reinterpret_cast<const uint16_t* const*>(rows + first);
     } else {
 #if PAGEDSPEC_CPU_LEVEL == 2
-      const int D = p_.head_size;
-      const auto bf16_entries = [&](int c0) {  // table entries c0 .. c0 + 31 as bf16 bits
-        const auto top_half = [&](int c) {
-          return _mm512_cvtepi32_epi16(_mm512_srli_epi32(
-              _mm512_castps_si512(_mm512_loadu_ps(reader.table + c)), 16));
-        };
-        return _mm512_inserti64x4(_mm512_castsi256_si512(top_half(c0)), top_half(c0 + 16), 1);
-      };
-      const __m512i t0 = bf16_entries(0), t1 = bf16_entries(32);
-      const __m512i t2 = bf16_entries(64), t3 = bf16_entries(96);
-      const __m512i bit6 = _mm512_set1_epi16(0x40), sign_bit = _mm512_set1_epi16(0x80);
-      for (int t = first; t < first + n; ++t) {
-        uint16_t* dst = buf.data() + size_t(t) * D;
-        for (int d = 0; d < D; d += 32) {
-          const __m512i codes = _mm512_cvtepu8_epi16(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[t] + d)));
-          const __m512i low = _mm512_permutex2var_epi16(t0, codes, t1);  // index bits 0-5
-          const __m512i high = _mm512_permutex2var_epi16(t2, codes, t3);
-          const __m512i magnitude =
-              _mm512_mask_blend_epi16(_mm512_test_epi16_mask(codes, bit6), low, high);
-          const __m512i sign = _mm512_slli_epi16(_mm512_and_si512(codes, sign_bit), 8);
-          _mm512_storeu_si512(dst + d, _mm512_or_si512(magnitude, sign));
-        }
-        out[t] = dst;
-      }
+      fp8_images_as_bf16(reinterpret_cast<const uint8_t* const*>(rows) + first, n, p_.head_size,
+                         reader.table, buf.data() + size_t(first) * p_.head_size, out + first);
 #else
       (void)rows, (void)n, (void)reader, (void)buf;
 #endif

@@ -56,10 +56,20 @@ CpuIsa cpu_isa() {
               "'");
 }
 
-bool cpu_bf16_dot_supported() {
+bool cpu_avx512_vbmi() {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool supported =
-      cpu_supports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
+      cpu_supports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512vbmi");
+  return supported;
+#else
+  return false;
+#endif
+}
+
+bool cpu_bf16_dot_supported() {
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool supported = cpu_supports(CpuIsa::kAvx512) &&
+                                __builtin_cpu_supports("avx512bf16") && cpu_avx512_vbmi();
   return supported;
 #else
   return false;

@@ -26,7 +26,11 @@ CpuIsa cpu_isa();
 // quarter of the FMA's rate and the tile multiplies do the many-row tasks instead.
 // PAGEDSPEC_CPU_BF16_DOT=0 turns it off, =1 on wherever the CPU has the instruction (read at every
 // call, as PAGEDSPEC_CPU_ISA, so tests can run both paths).
+// Supported means AVX512-BF16 and AVX512-VBMI (its FP8 conversion; Zen 4 and every Intel CPU
+// with AVX512-BF16 but Cooper Lake have both).
 bool cpu_bf16_dot_supported();
 bool cpu_bf16_dot();
+// Whether the CPU has AVX512-VBMI (byte permutes: the attention's FP8 -> bf16 conversion).
+bool cpu_avx512_vbmi();
 
 }  // namespace pagedspec

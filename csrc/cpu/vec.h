@@ -438,7 +438,8 @@ inline __m512 vdot_bf16(__m512 acc, __m512i a, __m512i b) {
   return acc;
 }
 
-// 16 finite float32 rounded to bf16 (to nearest even), as 16 bit patterns.
+// 16 float32 rounded to bf16 (to nearest even), as 16 bit patterns: exact rounding for finite
+// values; a NaN or inf lane gives unspecified bits.
 inline __m256i round_to_bf16(__m512 x) {
   const __m512i bits = _mm512_castps_si512(x);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
