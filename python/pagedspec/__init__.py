@@ -30,7 +30,7 @@ def build_info() -> dict:
     avx512 level's attention with bf16 queries, on bf16 or FP8 caches, uses AMX tile multiplies:
     the CPU has AMX-BF16, the OS allows it, and ``PAGEDSPEC_CPU_AMX`` is not ``0``) and
     ``cpu_bf16_dot`` (whether that level's attention with bf16 queries on a bf16 cache uses
-    AVX512-BF16 dot products: by default where the CPU has them and no AMX-BF16;
+    AVX512-BF16 dot products: by default where the CPU has them, AVX512-VBMI and no AMX-BF16;
     ``PAGEDSPEC_CPU_BF16_DOT=0`` or ``1`` forces it).
     """
     with_cuda = bool(_C.with_cuda)
