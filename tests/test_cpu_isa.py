@@ -34,6 +34,14 @@ def level(request, monkeypatch):
 HAS_AMX = INFO["cpu_amx"]
 
 
+def _check_bf16_case(gen, variant, q_lens, seq_lens, heads, head_size, cache_dtype, block_size):
+    """bf16 queries on a bf16 or FP8 cache (per-head scales), every output against the reference."""
+    case = Case(gen, seq_lens=seq_lens, q_lens=q_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                head_size=head_size, block_size=block_size, dtype=torch.bfloat16,
+                cache_dtype=cache_dtype, per_head_scale=cache_dtype in FP8)
+    check_case(case, VARIANTS[variant], lse=True, mass=(variant == "v1"))
+
+
 @pytest.mark.parametrize("amx", ["1", "0"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("q_lens, seq_lens, heads", [([5, 5, 5], [5, 48, 513], (32, 8)),
@@ -55,10 +63,7 @@ def test_amx_path_matches_reference(gen, monkeypatch, amx, variant, q_lens, seq_
         pytest.skip("the AMX path is part of the avx512 level")
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX", amx)
     assert pagedspec._C.cpu_amx() == (amx == "1")
-    case = Case(gen, seq_lens=seq_lens, q_lens=q_lens, num_heads=heads[0], num_kv_heads=heads[1],
-                head_size=head_size, block_size=block_size, dtype=torch.bfloat16,
-                cache_dtype=cache_dtype, per_head_scale=cache_dtype in FP8)
-    check_case(case, VARIANTS[variant], lse=True, mass=(variant == "v1"))
+    _check_bf16_case(gen, variant, q_lens, seq_lens, heads, head_size, cache_dtype, block_size)
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="this CPU (or OS) has no AMX-BF16")
@@ -102,20 +107,17 @@ def test_bf16_dot_path_matches_reference(gen, monkeypatch, dot, variant, q_lens,
     with AMX off so that every task takes the path asked for. Head size 96 leaves a 32-wide span
     after the 64-wide ones; odd visible counts pair the last position with zero."""
     if dot == "1" and not HAS_BF16_DOT:
-        pytest.skip("this CPU has no AVX512-BF16")
+        pytest.skip("this CPU has no AVX512-BF16 with AVX512-VBMI")
     if "avx512" not in INFO["cpu_isa_supported"]:
         pytest.skip("the bf16 dot path is part of the avx512 level")
     monkeypatch.setenv("PAGEDSPEC_CPU_ISA", "avx512")
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")
     monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", dot)
     assert pagedspec._C.cpu_bf16_dot() == (dot == "1")
-    case = Case(gen, seq_lens=seq_lens, q_lens=q_lens, num_heads=heads[0], num_kv_heads=heads[1],
-                head_size=head_size, block_size=block_size, dtype=torch.bfloat16,
-                cache_dtype=cache_dtype, per_head_scale=cache_dtype in FP8)
-    check_case(case, VARIANTS[variant], lse=True, mass=(variant == "v1"))
+    _check_bf16_case(gen, variant, q_lens, seq_lens, heads, head_size, cache_dtype, block_size)
 
 
-@pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU has no AVX512-BF16")
+@pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU has no AVX512-BF16 with AVX512-VBMI")
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
 def test_bf16_dot_path_is_taken_and_isolates(gen, monkeypatch, cache_dtype):
     """The dot and FMA paths round differently, so equal outputs would mean the dot path never
