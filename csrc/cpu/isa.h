@@ -20,10 +20,10 @@ CpuIsa best_cpu_isa();
 CpuIsa cpu_isa();
 
 // The avx512 level's bf16 dot-product path (vdpbf16ps: 32 bf16 products per instruction where an
-// FMA takes 16 float32): whether the CPU has AVX512-BF16, and whether attention on bf16 caches
-// takes it now. By default it does where the CPU has no AMX-BF16: on AMD Zen 4 a vdpbf16ps issues
-// at the FMA's rate, twice the arithmetic, while on AMX machines (Sapphire Rapids) it issues at a
-// quarter of the FMA's rate and the tile multiplies do the many-row tasks instead.
+// FMA takes 16 float32): whether the CPU has it, and whether attention with bf16 queries on bf16
+// or FP8 caches takes it now. By default it does where the CPU has no AMX-BF16: on AMD Zen 4 a
+// vdpbf16ps issues at the FMA's rate, twice the arithmetic, while on AMX machines (Sapphire
+// Rapids) it issues at a quarter of the FMA's rate and the tile multiplies do the many-row tasks.
 // PAGEDSPEC_CPU_BF16_DOT=0 turns it off, =1 on wherever the CPU has the instruction (read at every
 // call, as PAGEDSPEC_CPU_ISA, so tests can run both paths).
 // Supported means AVX512-BF16 and AVX512-VBMI (its FP8 conversion; Zen 4 and every Intel CPU
