@@ -245,39 +245,57 @@ template <int NR, int C>
   }
 }
 
-// n rows of D FP8 codes (D a multiple of 32) as the bf16 bits of their images, table[c] being
-// code c's float32 image (CacheReader::table), into dst (row i at dst + i * D; out[i] points
-// there). The narrowing is exact: an image has at most 4 significant bits and lies inside bf16's
-// normal range, so its float32 bits end in 16 zeros (NaN stays NaN). 64 codes per step with
+// The bf16 bits of the 128 FP8 magnitudes' images (table[c]: code c's float32 image, as
+// CacheReader holds it), split into their high and low bytes for fp8_images_as_bf16. The
+// narrowing is exact: an image has at most 4 significant bits and lies inside bf16's normal range,
+// so its float32 bits end in 16 zeros (NaN stays NaN).
+struct Fp8ImageBytes {
+  alignas(64) uint8_t high[128];
+  alignas(64) uint8_t low[128];
+};
+inline Fp8ImageBytes fp8_image_bytes(const float* table) {
+  Fp8ImageBytes b;
+  for (int c = 0; c < 128; c += 16) {
+    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(table + c));
+    _mm_store_si128(reinterpret_cast<__m128i*>(b.high + c),
+                    _mm512_cvtepi32_epi8(_mm512_srli_epi32(bits, 24)));
+    _mm_store_si128(reinterpret_cast<__m128i*>(b.low + c),
+                    _mm512_cvtepi32_epi8(_mm512_srli_epi32(bits, 16)));
+  }
+  return b;
+}
+
+// Byte 16 L + p of the codes fp8_images_as_bf16 permutes feeds word 8 L + p of unpacklo (p < 8)
+// and word 8 L + p - 8 of unpackhi (p >= 8), 128-bit lane L: this order puts the codes where the
+// in-lane interleave turns them back into the natural order.
+struct Fp8InterleaveOrder {
+  alignas(64) uint8_t index[64];
+};
+constexpr Fp8InterleaveOrder make_fp8_interleave_order() {
+  Fp8InterleaveOrder o{};
+  for (int lane = 0; lane < 4; ++lane) {
+    for (int p = 0; p < 8; ++p) {
+      o.index[16 * lane + p] = uint8_t(8 * lane + p);
+      o.index[16 * lane + 8 + p] = uint8_t(32 + 8 * lane + p);
+    }
+  }
+  return o;
+}
+
+// n rows of D FP8 codes (D a multiple of 32) as the bf16 bits of their images (bytes:
+// fp8_image_bytes), into dst (row i at dst + i * D; out[i] points there). 64 codes per step with
 // AVX512-VBMI byte permutes: the high and the low byte of each image looked up by the code's 7
 // magnitude bits (vpermt2b reads 128 entries from two registers), the sign ORed into the high
 // byte, the bytes interleaved into 16-bit lanes: 6 operations per 64 codes, where 16-bit table
-// lookups took 16. The codes are first permuted into the order that the in-lane interleave
-// (unpacklo / unpackhi) turns back into the natural one. Its own target: the avx512 level does
-// not assume VBMI; its callers check cpu_avx512_vbmi().
+// lookups took 16. Its own target: the avx512 level does not assume VBMI; its callers check
+// cpu_avx512_vbmi().
 [[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,f16c")]] [[gnu::noinline]]
-void fp8_images_as_bf16(const uint8_t* const* rows, int n, int D, const float* table,
+void fp8_images_as_bf16(const uint8_t* const* rows, int n, int D, const Fp8ImageBytes& bytes,
                         uint16_t* dst, const uint16_t** out) {
-  alignas(64) uint8_t high[128], low[128];
-  for (int c = 0; c < 128; c += 16) {
-    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(table + c));
-    _mm_store_si128(reinterpret_cast<__m128i*>(high + c),
-                    _mm512_cvtepi32_epi8(_mm512_srli_epi32(bits, 24)));
-    _mm_store_si128(reinterpret_cast<__m128i*>(low + c),
-                    _mm512_cvtepi32_epi8(_mm512_srli_epi32(bits, 16)));
-  }
-  const __m512i high0 = _mm512_load_si512(high), high1 = _mm512_load_si512(high + 64);
-  const __m512i low0 = _mm512_load_si512(low), low1 = _mm512_load_si512(low + 64);
-  // Byte 16 L + p of the permuted codes feeds word 8 L + p of unpacklo (p < 8) and word 8 L + p - 8
-  // of unpackhi (p >= 8), 128-bit lane L.
-  alignas(64) uint8_t order[64];
-  for (int lane = 0; lane < 4; ++lane) {
-    for (int p = 0; p < 8; ++p) {
-      order[16 * lane + p] = uint8_t(8 * lane + p);
-      order[16 * lane + 8 + p] = uint8_t(32 + 8 * lane + p);
-    }
-  }
-  const __m512i order_v = _mm512_load_si512(order);
+  static constexpr Fp8InterleaveOrder kOrder = make_fp8_interleave_order();
+  const __m512i high0 = _mm512_load_si512(bytes.high), high1 = _mm512_load_si512(bytes.high + 64);
+  const __m512i low0 = _mm512_load_si512(bytes.low), low1 = _mm512_load_si512(bytes.low + 64);
+  const __m512i order_v = _mm512_load_si512(kOrder.index);
   const __m512i sign_bit = _mm512_set1_epi8(char(0x80));
   for (int i = 0; i < n; ++i) {
     uint16_t* row = dst + size_t(i) * D;
@@ -441,8 +459,10 @@ class CpuPagedAttention {
       return reinterpret_cast<const uint16_t* const*>(rows + first);
     } else {
 #if PAGEDSPEC_CPU_LEVEL == 2
+      // Every reader of format F holds the same table: its bytes are split once.
+      static const Fp8ImageBytes kBytes = fp8_image_bytes(reader.table);
       fp8_images_as_bf16(reinterpret_cast<const uint8_t* const*>(rows) + first, n, p_.head_size,
-                         reader.table, buf.data() + size_t(first) * p_.head_size, out + first);
+                         kBytes, buf.data() + size_t(first) * p_.head_size, out + first);
 #else
       (void)rows, (void)n, (void)reader, (void)buf;
 #endif
