@@ -100,7 +100,8 @@ HAS_BF16_DOT = _bf16_dot_supported()
 @pytest.mark.parametrize("block_size", [16, 8])
 def test_bf16_dot_path_matches_reference(gen, monkeypatch, dot, variant, q_lens, seq_lens, heads,
                                          head_size, cache_dtype, block_size):
-    """bf16 queries on a bf16 or FP8 cache (its codes converted exactly to bf16 images) at the
+    """bf16 queries on a bf16 or FP8 cache (its codes converted exactly to bf16 images: in
+    registers where the head size is a multiple of 64, through image rows at 96) at the
     avx512 level, through AVX512-BF16 dot products
     (PAGEDSPEC_CPU_BF16_DOT=1: exact products, float32 sums in another order; weights rounded to
     bf16 for P.V, 2^-9 relative, inside bf16 output's tolerance) and through the FMA path (=0),
@@ -119,13 +120,15 @@ def test_bf16_dot_path_matches_reference(gen, monkeypatch, dot, variant, q_lens,
 
 @pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU has no AVX512-BF16 with AVX512-VBMI")
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
-def test_bf16_dot_path_is_taken_and_isolates(gen, monkeypatch, cache_dtype):
+@pytest.mark.parametrize("head_size", [128, 96])
+def test_bf16_dot_path_is_taken_and_isolates(gen, monkeypatch, cache_dtype, head_size):
     """The dot and FMA paths round differently, so equal outputs would mean the dot path never
-    ran; and a later draft token's V set to NaN leaves the earlier tokens bit-identical on it."""
+    ran; and a later draft token's V set to NaN leaves the earlier tokens bit-identical on it.
+    On FP8 caches head size 128 converts the codes in registers, 96 through bf16 image rows."""
     monkeypatch.setenv("PAGEDSPEC_CPU_ISA", "avx512")
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")
     case = Case(gen, seq_lens=[700, 1099], q_lens=[1, 5], num_heads=32, num_kv_heads=8,
-                head_size=128, block_size=16, dtype=torch.bfloat16, cache_dtype=cache_dtype)
+                head_size=head_size, block_size=16, dtype=torch.bfloat16, cache_dtype=cache_dtype)
     monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", "0")
     fma, _, _ = case.run(ops.paged_attention)
     monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", "1")
@@ -133,7 +136,7 @@ def test_bf16_dot_path_is_taken_and_isolates(gen, monkeypatch, cache_dtype):
     assert not torch.equal(dot, fma)
     torch.testing.assert_close(dot.float(), fma.float(), rtol=1.6e-2, atol=1.6e-2)
     slot = int(case.block_tables[1, 1098 // 16]) * 16 + 1098 % 16  # the last draft token's row
-    case.value_cache.view(-1, 8, 128)[slot] = float("nan")  # NaN in every cache format
+    case.value_cache.view(-1, 8, head_size)[slot] = float("nan")  # NaN in every cache format
     out, lse, _ = case.run(ops.paged_attention, lse=True)
     assert torch.equal(out[:5], dot[:5]) and torch.equal(lse[:5], dot_lse[:5])
     assert not torch.isfinite(out[5]).all()

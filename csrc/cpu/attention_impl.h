@@ -149,7 +149,22 @@ inline void accumulate_block(float* __restrict acc, const float* __restrict w,
 // The bf16 dot-product path (cpu_bf16_dot(): AVX512-BF16, bf16 queries on a bf16 cache or on
 // the bf16 images of an FP8 cache's codes, D a multiple of 32). A register holds 32 bf16, and
 // each vdpbf16ps adds two exact products per float32 lane, so a score takes half the
-// instructions of the FMA path and bf16 K rows are read as stored, not widened.
+// instructions of the FMA path and bf16 K rows are read as stored, not widened. With D a
+// multiple of 64, FP8 codes are converted in registers as they are read (score_block_fp8_dot,
+// accumulate_block_fp8_dot); otherwise through images in the workspace (fp8_images_as_bf16).
+
+// out[r * NT + t] = scale * sum over lanes of acc[r][t].
+template <int NR, int NT>
+[[gnu::always_inline]] inline void store_dot_scores(__m512 (&acc)[NR][NT], float scale,
+                                                    float* out) {
+  if constexpr (NR * NT == 16) {
+    _mm512_storeu_ps(out, _mm512_mul_ps(sum16(&acc[0][0]), _mm512_set1_ps(scale)));
+  } else {
+    for (int r = 0; r < NR; ++r) {
+      for (int t = 0; t < NT; ++t) out[r * NT + t] = vsum(acc[r][t]) * scale;
+    }
+  }
+}
 
 // out[r * NT + t] = scale * q[r] . k[t] over raw bf16 rows (q stride D), as score_block.
 template <int NR, int NT>
@@ -168,19 +183,47 @@ template <int NR, int NT>
       for (int t = 0; t < NT; ++t) acc[r][t] = vdot_bf16(acc[r][t], qv, kv[t]);
     }
   }
-  if constexpr (NR * NT == 16) {
-    _mm512_storeu_ps(out, _mm512_mul_ps(sum16(&acc[0][0]), _mm512_set1_ps(scale)));
-  } else {
+  store_dot_scores(acc, scale, out);
+}
+
+// The dot path's accumulators pair two positions per lane: each 32-bit lane of a value vector
+// holds the bf16 of v[t] and v[t + 1] at one dimension, against the weight pair (w[t], w[t + 1]).
+// acc[r] (the path's layout) [d0, d0 + 16 NV) += sum_t w[r][t] * v[t] for NR rows over n positions,
+// w the weights as bf16 bits (stride w_stride); load_pairs(t, pair, vectors) gives the NV value
+// vectors of positions t and t + 1 (t alone if !pair: its partner must read as zeros). An odd last
+// position pairs with zeros and a zero weight: the row after it may be past a row's limit, so it is
+// never read.
+template <int NR, int NV, typename LoadPairs>
+[[gnu::always_inline]] inline void accumulate_pairs_dot(float* __restrict acc,
+                                                        const uint16_t* __restrict w, int n, int D,
+                                                        int w_stride, int d0,
+                                                        LoadPairs&& load_pairs) {
+  __m512 a[NR][NV];
+  for (int r = 0; r < NR; ++r) {
+    for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc + r * D + d0 + 16 * j);
+  }
+  const auto step = [&](int t, bool pair) {
+    __m512i vectors[NV];
+    load_pairs(t, pair, vectors);
     for (int r = 0; r < NR; ++r) {
-      for (int t = 0; t < NT; ++t) out[r * NT + t] = vsum(acc[r][t]) * scale;
+      const uint16_t* wr = w + r * w_stride + t;
+      uint32_t bits = wr[0];
+      if (pair) std::memcpy(&bits, wr, sizeof(bits));  // (w[t], w[t + 1]), little-endian
+      const __m512i wp = _mm512_set1_epi32(int(bits));
+      for (int j = 0; j < NV; ++j) a[r][j] = vdot_bf16(a[r][j], wp, vectors[j]);
     }
+  };
+  int t = 0;
+  for (; t + 2 <= n; t += 2) step(t, true);
+  if (t < n) step(t, false);
+  for (int r = 0; r < NR; ++r) {
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + r * D + d0 + 16 * j, a[r][j]);
   }
 }
 
-// The dot path's accumulators pair two positions per lane: v[t] and v[t + 1] interleaved 16 bits
-// at a time (unpacklo / unpackhi within each 128-bit lane) against the weight pair (w[t], w[t+1]).
-// So within each 32 dimensions of a row, the first 16 floats hold dimensions 0-3, 8-11, 16-19,
-// 24-27 and the second 16 the others; dot_to_natural puts a row back in order.
+// bf16 rows: v[t] and v[t + 1] interleaved 16 bits at a time (unpacklo / unpackhi within each
+// 128-bit lane). So within each 32 dimensions of a row, the first 16 floats hold dimensions 0-3,
+// 8-11, 16-19, 24-27 and the second 16 the others; dot_to_natural puts a row back in order.
 struct DotLayout {
   alignas(64) int first[16];   // natural dimension j < 16: its lane in (first, second) as 0..31
   alignas(64) int second[16];  // natural dimension 16 + j
@@ -206,49 +249,33 @@ inline void dot_to_natural(float* __restrict row, int D) {
   }
 }
 
-// acc (dot layout) [d0, d0 + 32 C) += sum_t w[r][t] * v[t] for NR rows over n value rows, w the
-// weights as bf16 bits (stride w_stride). An odd last position pairs with a zero vector and a zero
-// weight: the row after it may be past a row's limit, so it is never read.
+// accumulate_pairs_dot over bf16 rows: spans of 64 dimensions (4 rows x 4 accumulators), then 32.
 template <int NR, int C>
 [[gnu::always_inline]] inline void accumulate_span_dot(float* __restrict acc,
                                                        const uint16_t* __restrict w,
                                                        const uint16_t* const* v, int n, int D,
                                                        int w_stride, int d0) {
-  __m512 a[NR][2 * C];
-  for (int r = 0; r < NR; ++r) {
-    for (int j = 0; j < 2 * C; ++j) a[r][j] = _mm512_loadu_ps(acc + r * D + d0 + 16 * j);
-  }
-  const auto step = [&](int t, bool pair) {
-    __m512i lo[C], hi[C];
+  accumulate_pairs_dot<NR, 2 * C>(acc, w, n, D, w_stride, d0, [&](int t, bool pair, __m512i* out) {
     for (int c = 0; c < C; ++c) {
       const __m512i v0 = _mm512_loadu_si512(v[t] + d0 + 32 * c);
       const __m512i v1 = pair ? _mm512_loadu_si512(v[t + 1] + d0 + 32 * c) : _mm512_setzero_si512();
-      lo[c] = _mm512_unpacklo_epi16(v0, v1);
-      hi[c] = _mm512_unpackhi_epi16(v0, v1);
+      out[2 * c] = _mm512_unpacklo_epi16(v0, v1);
+      out[2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
     }
-    for (int r = 0; r < NR; ++r) {
-      const uint16_t* wr = w + r * w_stride + t;
-      uint32_t bits = wr[0];
-      if (pair) std::memcpy(&bits, wr, sizeof(bits));  // (w[t], w[t + 1]), little-endian
-      const __m512i wp = _mm512_set1_epi32(int(bits));
-      for (int c = 0; c < C; ++c) {
-        a[r][2 * c] = vdot_bf16(a[r][2 * c], wp, lo[c]);
-        a[r][2 * c + 1] = vdot_bf16(a[r][2 * c + 1], wp, hi[c]);
-      }
-    }
-  };
-  int t = 0;
-  for (; t + 2 <= n; t += 2) step(t, true);
-  if (t < n) step(t, false);
-  for (int r = 0; r < NR; ++r) {
-    for (int j = 0; j < 2 * C; ++j) _mm512_storeu_ps(acc + r * D + d0 + 16 * j, a[r][j]);
-  }
+  });
+}
+template <int NR>
+inline void accumulate_block_dot(float* __restrict acc, const uint16_t* __restrict w,
+                                 const uint16_t* const* v, int n, int D, int w_stride) {
+  int d = 0;
+  for (; d + 64 <= D; d += 64) accumulate_span_dot<NR, 2>(acc, w, v, n, D, w_stride, d);
+  for (; d < D; d += 32) accumulate_span_dot<NR, 1>(acc, w, v, n, D, w_stride, d);
 }
 
 // The bf16 bits of the 128 FP8 magnitudes' images (table[c]: code c's float32 image, as
-// CacheReader holds it), split into their high and low bytes for fp8_images_as_bf16. The
-// narrowing is exact: an image has at most 4 significant bits and lies inside bf16's normal range,
-// so its float32 bits end in 16 zeros (NaN stays NaN).
+// CacheReader holds it), split into their high and low bytes. The narrowing is exact: an image
+// has at most 4 significant bits and lies inside bf16's normal range, so its float32 bits end in
+// 16 zeros (NaN stays NaN).
 struct Fp8ImageBytes {
   alignas(64) uint8_t high[128];
   alignas(64) uint8_t low[128];
@@ -265,9 +292,32 @@ inline Fp8ImageBytes fp8_image_bytes(const float* table) {
   return b;
 }
 
-// Byte 16 L + p of the codes fp8_images_as_bf16 permutes feeds word 8 L + p of unpacklo (p < 8)
-// and word 8 L + p - 8 of unpackhi (p >= 8), 128-bit lane L: this order puts the codes where the
-// in-lane interleave turns them back into the natural order.
+// The same tables in registers, for lookup128_bytes (VBMI: callers check cpu_avx512_vbmi()).
+struct Fp8ImageLookup {
+  __m512i high0, high1, low0, low1;
+  explicit Fp8ImageLookup(const Fp8ImageBytes& b)
+      : high0(_mm512_load_si512(b.high)), high1(_mm512_load_si512(b.high + 64)),
+        low0(_mm512_load_si512(b.low)), low1(_mm512_load_si512(b.low + 64)) {}
+};
+
+// The bf16 images of 64 FP8 codes in two registers: each image's high and low byte looked up by
+// the code's 7 magnitude bits, the sign ORed into the high byte, the bytes interleaved into
+// 16-bit lanes within each 128-bit lane L. So `first` holds the images of codes 16 L + j and
+// `second` those of 16 L + 8 + j (j < 8), words 8 L + j of each: 5 operations per 64 codes.
+[[gnu::always_inline]] inline void fp8_images_in_lanes(__m512i codes, const Fp8ImageLookup& t,
+                                                       __m512i& first, __m512i& second) {
+  const __m512i sign_bit = _mm512_set1_epi8(char(0x80));
+  // high | (codes & 0x80)
+  const __m512i hi =
+      _mm512_ternarylogic_epi32(lookup128_bytes(codes, t.high0, t.high1), codes, sign_bit, 0xF8);
+  const __m512i lo = lookup128_bytes(codes, t.low0, t.low1);
+  first = _mm512_unpacklo_epi8(lo, hi);
+  second = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// Byte 16 L + p of the codes fp8_images_in_lanes converts lands at word 8 L + p of `first`
+// (p < 8) and word 8 L + p - 8 of `second` (p >= 8): this order puts the codes where they come
+// back in the natural order.
 struct Fp8InterleaveOrder {
   alignas(64) uint8_t index[64];
 };
@@ -282,21 +332,14 @@ constexpr Fp8InterleaveOrder make_fp8_interleave_order() {
   return o;
 }
 
-// n rows of D FP8 codes (D a multiple of 32) as the bf16 bits of their images (bytes:
-// fp8_image_bytes), into dst (row i at dst + i * D; out[i] points there). 64 codes per step with
-// AVX512-VBMI byte permutes: the high and the low byte of each image looked up by the code's 7
-// magnitude bits (vpermt2b reads 128 entries from two registers), the sign ORed into the high
-// byte, the bytes interleaved into 16-bit lanes: 6 operations per 64 codes, where 16-bit table
-// lookups took 16. Its own target: the avx512 level does not assume VBMI; its callers check
-// cpu_avx512_vbmi().
-[[gnu::target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,f16c")]] [[gnu::noinline]]
-void fp8_images_as_bf16(const uint8_t* const* rows, int n, int D, const Fp8ImageBytes& bytes,
-                        uint16_t* dst, const uint16_t** out) {
+// n rows of D FP8 codes (D a multiple of 32) as the bf16 bits of their images in the natural
+// order, into dst (row i at dst + i * D; out[i] points there): for the AMX path, and the dot path
+// where D is not a multiple of 64.
+inline void fp8_images_as_bf16(const uint8_t* const* rows, int n, int D, const Fp8ImageBytes& bytes,
+                               uint16_t* dst, const uint16_t** out) {
   static constexpr Fp8InterleaveOrder kOrder = make_fp8_interleave_order();
-  const __m512i high0 = _mm512_load_si512(bytes.high), high1 = _mm512_load_si512(bytes.high + 64);
-  const __m512i low0 = _mm512_load_si512(bytes.low), low1 = _mm512_load_si512(bytes.low + 64);
+  const Fp8ImageLookup lookup(bytes);
   const __m512i order_v = _mm512_load_si512(kOrder.index);
-  const __m512i sign_bit = _mm512_set1_epi8(char(0x80));
   for (int i = 0; i < n; ++i) {
     uint16_t* row = dst + size_t(i) * D;
     for (int d = 0; d < D; d += 64) {
@@ -304,25 +347,85 @@ void fp8_images_as_bf16(const uint8_t* const* rows, int n, int D, const Fp8Image
       const __m512i raw = half ? _mm512_castsi256_si512(_mm256_loadu_si256(
                                      reinterpret_cast<const __m256i*>(rows[i] + d)))
                                : _mm512_loadu_si512(rows[i] + d);
-      const __m512i codes = _mm512_permutexvar_epi8(order_v, raw);
-      // high | (codes & 0x80): the sign into the magnitude's high byte.
-      const __m512i hi = _mm512_ternarylogic_epi32(
-          _mm512_permutex2var_epi8(high0, codes, high1), codes, sign_bit, 0xF8);
-      const __m512i lo = _mm512_permutex2var_epi8(low0, codes, low1);
-      _mm512_storeu_si512(row + d, _mm512_unpacklo_epi8(lo, hi));
-      if (!half) _mm512_storeu_si512(row + d + 32, _mm512_unpackhi_epi8(lo, hi));
+      __m512i first, second;
+      fp8_images_in_lanes(permute_bytes(order_v, raw), lookup, first, second);
+      _mm512_storeu_si512(row + d, first);
+      if (!half) _mm512_storeu_si512(row + d + 32, second);
     }
     out[i] = row;
   }
 }
 
-// accumulate_block for the dot path: spans of 64 dimensions (4 rows x 4 accumulators), then 32.
+// The queries of score_block_fp8_dot: each 64 dimensions of q in fp8_images_in_lanes' order, so
+// that q . k is the same sum with K converted as read (words 8 L + j of the first 32 hold
+// dimension 16 L + j, those of the second 16 L + 8 + j).
+inline void fp8_lane_order_query(const uint16_t* q, int D, uint16_t* out) {
+  for (int d = 0; d < D; d += 64) {
+    for (int lane = 0; lane < 4; ++lane) {
+      for (int j = 0; j < 8; ++j) {
+        out[d + 8 * lane + j] = q[d + 16 * lane + j];
+        out[d + 32 + 8 * lane + j] = q[d + 16 * lane + 8 + j];
+      }
+    }
+  }
+}
+
+// score_block_dot on FP8 K rows (D a multiple of 64), each 64 codes converted in registers once
+// for all NR rows; q from fp8_lane_order_query.
+template <int NR, int NT>
+[[gnu::always_inline]] inline void score_block_fp8_dot(const uint16_t* __restrict q,
+                                                       const uint8_t* const* k, int D, float scale,
+                                                       const Fp8ImageLookup& lookup, float* out) {
+  __m512 acc[NR][NT];
+  for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  }
+  for (int d = 0; d < D; d += 64) {
+    __m512i k0[NT], k1[NT];
+    for (int t = 0; t < NT; ++t) fp8_images_in_lanes(_mm512_loadu_si512(k[t] + d), lookup, k0[t], k1[t]);
+    for (int r = 0; r < NR; ++r) {
+      const __m512i q0 = _mm512_loadu_si512(q + r * D + d);
+      const __m512i q1 = _mm512_loadu_si512(q + r * D + d + 32);
+      for (int t = 0; t < NT; ++t) {
+        acc[r][t] = vdot_bf16(acc[r][t], q0, k0[t]);
+        acc[r][t] = vdot_bf16(acc[r][t], q1, k1[t]);
+      }
+    }
+  }
+  store_dot_scores(acc, scale, out);
+}
+
+// accumulate_pairs_dot on FP8 V rows (D a multiple of 64), 64 dimensions at a time: the codes of
+// positions t and t + 1 interleaved byte by byte, then converted (fp8_images_in_lanes), so each
+// 32-bit lane pairs their images of one dimension; an odd last position pairs with code 0 (+0).
+// Vector k's 128-bit lane L holds dimensions 16 L + 4 k .. + 3; fp8_dot_to_natural reorders.
 template <int NR>
-inline void accumulate_block_dot(float* __restrict acc, const uint16_t* __restrict w,
-                                 const uint16_t* const* v, int n, int D, int w_stride) {
-  int d = 0;
-  for (; d + 64 <= D; d += 64) accumulate_span_dot<NR, 2>(acc, w, v, n, D, w_stride, d);
-  for (; d < D; d += 32) accumulate_span_dot<NR, 1>(acc, w, v, n, D, w_stride, d);
+inline void accumulate_block_fp8_dot(float* __restrict acc, const uint16_t* __restrict w,
+                                     const uint8_t* const* v, int n, int D, int w_stride,
+                                     const Fp8ImageLookup& lookup) {
+  for (int d0 = 0; d0 < D; d0 += 64) {
+    accumulate_pairs_dot<NR, 4>(acc, w, n, D, w_stride, d0, [&](int t, bool pair, __m512i* out) {
+      const __m512i c0 = _mm512_loadu_si512(v[t] + d0);
+      const __m512i c1 = pair ? _mm512_loadu_si512(v[t + 1] + d0) : _mm512_setzero_si512();
+      fp8_images_in_lanes(_mm512_unpacklo_epi8(c0, c1), lookup, out[0], out[1]);
+      fp8_images_in_lanes(_mm512_unpackhi_epi8(c0, c1), lookup, out[2], out[3]);
+    });
+  }
+}
+
+// Each 64 floats of a row in accumulate_block_fp8_dot's layout back in dimension order: a 4 x 4
+// transpose of 128-bit blocks (natural block 4 L + k is block L of vector k).
+inline void fp8_dot_to_natural(float* __restrict row, int D) {
+  for (int d = 0; d < D; d += 64) {
+    const __m512 a0 = _mm512_loadu_ps(row + d), a1 = _mm512_loadu_ps(row + d + 16);
+    const __m512 a2 = _mm512_loadu_ps(row + d + 32), a3 = _mm512_loadu_ps(row + d + 48);
+    const __m512 t0 = _mm512_shuffle_f32x4(a0, a1, 0x44), t1 = _mm512_shuffle_f32x4(a2, a3, 0x44);
+    const __m512 t2 = _mm512_shuffle_f32x4(a0, a1, 0xEE), t3 = _mm512_shuffle_f32x4(a2, a3, 0xEE);
+    _mm512_storeu_ps(row + d, _mm512_shuffle_f32x4(t0, t1, 0x88));
+    _mm512_storeu_ps(row + d + 16, _mm512_shuffle_f32x4(t0, t1, 0xDD));
+    _mm512_storeu_ps(row + d + 32, _mm512_shuffle_f32x4(t2, t3, 0x88));
+    _mm512_storeu_ps(row + d + 48, _mm512_shuffle_f32x4(t2, t3, 0xDD));
+  }
 }
 #endif
 
@@ -382,6 +485,7 @@ class CpuPagedAttention {
     // The dot path's query rows ([rows, D] bf16 bits) and weights ([rows, kTile] bf16 bits).
     std::vector<uint16_t> q_bf16, w_bf16;
     bool dot = false;              // this task runs the bf16 dot-product path
+    bool dot_fp8 = false;          // ... on FP8 codes converted in registers (no images)
     std::vector<RowInfo> rows;
     std::vector<SoftmaxState> state;
     std::vector<int> visible;
@@ -422,13 +526,16 @@ class CpuPagedAttention {
   // Chooses a task's path: AMX tile multiplies, the bf16 dot products or the FMA path.
   void choose_path(Workspace& ws, int R) const {
     ws.amx = use_amx(R);
-    ws.dot = bf16_dot_ && !ws.amx;
-    if (ws.dot) prepare_dot(ws);
+    set_dot(ws, bf16_dot_ && !ws.amx);
   }
-  void prepare_dot(Workspace& ws) const {
+  void set_dot(Workspace& ws, bool dot) const {
+    ws.dot = dot;
+    // FP8 codes converted as they are read where D allows (score_block_fp8_dot), else images.
+    ws.dot_fp8 = dot && F != CacheFormat::kNative && p_.head_size % 64 == 0;
+    if (!dot) return;
     ws.q_bf16.resize(size_t(kMaxRows) * p_.head_size);
     ws.w_bf16.resize(size_t(kMaxRows) * kTile);
-    if constexpr (F != CacheFormat::kNative) {
+    if (F != CacheFormat::kNative && !ws.dot_fp8) {
       ws.kimg.resize(size_t(kTile) * p_.head_size);
       ws.vimg.resize(size_t(kTile) * p_.head_size);
     }
@@ -459,16 +566,26 @@ class CpuPagedAttention {
       return reinterpret_cast<const uint16_t* const*>(rows + first);
     } else {
 #if PAGEDSPEC_CPU_LEVEL == 2
-      // Every reader of format F holds the same table: its bytes are split once.
-      static const Fp8ImageBytes kBytes = fp8_image_bytes(reader.table);
       fp8_images_as_bf16(reinterpret_cast<const uint8_t* const*>(rows) + first, n, p_.head_size,
-                         kBytes, buf.data() + size_t(first) * p_.head_size, out + first);
+                         fp8_bytes(reader), buf.data() + size_t(first) * p_.head_size, out + first);
 #else
       (void)rows, (void)n, (void)reader, (void)buf;
 #endif
       return out + first;
     }
   }
+
+#if PAGEDSPEC_CPU_LEVEL == 2
+  // The FP8 image bytes of format F (reader initialized): every reader of the format holds the
+  // same table, so its bytes are split once.
+  static const Fp8ImageBytes& fp8_bytes(const Reader& reader) {
+    static const Fp8ImageBytes kBytes = fp8_image_bytes(reader.table);
+    return kBytes;
+  }
+  static const uint8_t* const* as_codes(const CacheT* const* rows) {
+    return reinterpret_cast<const uint8_t* const*>(rows);
+  }
+#endif
 
   // The prefetches issued while position t of the tile is scored, interleaved with the work so
   // that a steady number of misses stays in flight: its V row (read after the scores) when the
@@ -519,7 +636,14 @@ class CpuPagedAttention {
       if (ws.amx) continue;
       const QT* src = query_row(info);
       if (ws.dot) {
-        std::memcpy(ws.q_bf16.data() + size_t(r) * D, src, size_t(D) * sizeof(QT));
+        uint16_t* dst = ws.q_bf16.data() + size_t(r) * D;
+#if PAGEDSPEC_CPU_LEVEL == 2
+        if (ws.dot_fp8) {
+          fp8_lane_order_query(reinterpret_cast<const uint16_t*>(src), D, dst);
+          continue;
+        }
+#endif
+        std::memcpy(dst, src, size_t(D) * sizeof(QT));
         continue;
       }
       float* dst = ws.q.data() + size_t(r) * D;
@@ -565,17 +689,29 @@ class CpuPagedAttention {
     [[maybe_unused]] const float dot_scale = score_scale(task.kv_head);
     [[maybe_unused]] const uint16_t* const* dot_krows = nullptr;
     if constexpr (kDotCapable) {
-      if (ws.dot) {
+      if (ws.dot && !ws.dot_fp8) {
         dot_krows = bf16_rows(ws.krows, 0, ws.visible[R - 1], ws.kreader, ws.kimg, ws.kimg_rows);
       }
     }
+#if PAGEDSPEC_CPU_LEVEL == 2
+    std::optional<Fp8ImageLookup> lookup;
+    if constexpr (F != CacheFormat::kNative) {
+      if (ws.dot_fp8) lookup.emplace(fp8_bytes(ws.kreader));
+    }
+#endif
     // One score block: through the dot path or the FMA path.
     const auto block = [&](auto NR, auto NT, int r0, int t, float* out) {
 #if PAGEDSPEC_CPU_LEVEL == 2
       if constexpr (kDotCapable) {
+        const uint16_t* q = ws.q_bf16.data() + size_t(r0) * D;
+        if constexpr (F != CacheFormat::kNative) {
+          if (ws.dot_fp8) {
+            score_block_fp8_dot<NR, NT>(q, as_codes(ws.krows) + t, D, dot_scale, *lookup, out);
+            return;
+          }
+        }
         if (ws.dot) {
-          score_block_dot<NR, NT>(ws.q_bf16.data() + size_t(r0) * D, dot_krows + t, D, dot_scale,
-                                  out);
+          score_block_dot<NR, NT>(q, dot_krows + t, D, dot_scale, out);
           return;
         }
       }
@@ -655,7 +791,7 @@ class CpuPagedAttention {
 #if PAGEDSPEC_CPU_LEVEL == 2
       if (ws.dot) {  // V rows and weights as bf16 for the dot path's P.V (those past a row unread)
         if constexpr (kDotCapable) {
-          ws.dot_vrows = bf16_rows(ws.vrows, 0, n, ws.vreader, ws.vimg, ws.vimg_rows);
+          if (!ws.dot_fp8) ws.dot_vrows = bf16_rows(ws.vrows, 0, n, ws.vreader, ws.vimg, ws.vimg_rows);
         }
         for (int r = 0; r < R; ++r) {
           for (int t = 0; t < kTile; t += 16) {
@@ -679,7 +815,10 @@ class CpuPagedAttention {
     if (ws.amx) amx_end();
 #if PAGEDSPEC_CPU_LEVEL == 2
     if (ws.dot) {
-      for (int r = 0; r < R; ++r) dot_to_natural(ws.acc.data() + size_t(r) * D, D);
+      for (int r = 0; r < R; ++r) {
+        float* acc = ws.acc.data() + size_t(r) * D;
+        ws.dot_fp8 ? fp8_dot_to_natural(acc, D) : dot_to_natural(acc, D);
+      }
     }
 #endif
   }
@@ -692,6 +831,12 @@ class CpuPagedAttention {
   // (the contract's Isolation).
   void accumulate_rows(Workspace& ws, int r0, int nr) const {
     const int D = p_.head_size;
+#if PAGEDSPEC_CPU_LEVEL == 2
+    std::optional<Fp8ImageLookup> lookup;
+    if constexpr (F != CacheFormat::kNative) {
+      if (ws.dot_fp8) lookup.emplace(fp8_bytes(ws.vreader));
+    }
+#endif
     int begin = 0;
     for (int i = 0; i < nr; ++i) {
       const int end = ws.visible[r0 + i];
@@ -700,6 +845,15 @@ class CpuPagedAttention {
         with_rows(nr - i, [&](auto NR) {
 #if PAGEDSPEC_CPU_LEVEL == 2
           if constexpr (kDotCapable) {
+            if constexpr (F != CacheFormat::kNative) {
+              if (ws.dot_fp8) {
+                accumulate_block_fp8_dot<NR>(ws.acc.data() + size_t(row) * D,
+                                             ws.w_bf16.data() + row * kTile + begin,
+                                             as_codes(ws.vrows) + begin, end - begin, D, kTile,
+                                             *lookup);
+                return;
+              }
+            }
             if (ws.dot) {
               accumulate_block_dot<NR>(ws.acc.data() + size_t(row) * D,
                                        ws.w_bf16.data() + row * kTile + begin,
@@ -797,8 +951,7 @@ class CpuPagedAttention {
           for (int row0 = 0; row0 < q_len * G; row0 += kMaxRows) {
             const Task task{span.seq, kv_head, row0, std::min(kMaxRows, q_len * G - row0),
                             span.pos_begin, span.pos_end, 0};
-            ws.dot = bf16_dot_;  // scores as attend() computes them (AMX aside)
-            if (ws.dot) prepare_dot(ws);
+            set_dot(ws, bf16_dot_);  // scores as attend() computes them (AMX aside)
             load_queries(task, ws);
             for (int r = 0; r < task.num_rows; ++r) {
               lse2[r] = lse[int64_t(ws.rows[r].token) * p_.num_heads + ws.rows[r].head] * kLog2e;
