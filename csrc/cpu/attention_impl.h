@@ -45,6 +45,9 @@ template <int NR, int NT, typename CacheT, CacheFormat F>
 [[gnu::always_inline]] inline void score_block(const float* __restrict q, const CacheT* const* k,
                                                const CacheReader<CacheT, F>& reader, int D,
                                                float* out) {
+  // D > 0: told so that no path skips the loop with zeroed accumulators, which made GCC keep
+  // all 16 in stack slots around the reduction (30 spill stores per block).
+  if (D <= 0) __builtin_unreachable();
   rvec acc[NR][NT];
   for (int r = 0; r < NR; ++r) {
     for (int t = 0; t < NT; ++t) acc[r][t] = rzero();
@@ -171,6 +174,7 @@ template <int NR, int NT>
 [[gnu::always_inline]] inline void score_block_dot(const uint16_t* __restrict q,
                                                    const uint16_t* const* k, int D, float scale,
                                                    float* out) {
+  if (D <= 0) __builtin_unreachable();  // as in score_block
   __m512 acc[NR][NT];
   for (int r = 0; r < NR; ++r) {
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
@@ -376,6 +380,7 @@ template <int NR, int NT>
 [[gnu::always_inline]] inline void score_block_fp8_dot(const uint16_t* __restrict q,
                                                        const uint8_t* const* k, int D, float scale,
                                                        const Fp8ImageLookup& lookup, float* out) {
+  if (D <= 0) __builtin_unreachable();  // as in score_block
   __m512 acc[NR][NT];
   for (int r = 0; r < NR; ++r) {
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
