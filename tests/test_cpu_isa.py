@@ -94,7 +94,8 @@ HAS_BF16_DOT = _bf16_dot_supported()
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("q_lens, seq_lens, heads", [([5, 5, 5], [5, 48, 513], (32, 8)),
                                                      ([2, 9, 1], [33, 700, 64], (8, 1)),
-                                                     ([1, 1, 1], [1, 31, 1100], (8, 2))])
+                                                     ([1, 1, 1], [1, 31, 1100], (8, 2)),
+                                                     ([3, 1, 4], [40, 700, 97], (16, 16))])
 @pytest.mark.parametrize("head_size", [64, 96, 128, 256])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
 @pytest.mark.parametrize("block_size", [16, 8])
@@ -121,14 +122,19 @@ def test_bf16_dot_path_matches_reference(gen, monkeypatch, dot, variant, q_lens,
 @pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU has no AVX512-BF16 with AVX512-VBMI")
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
 @pytest.mark.parametrize("head_size", [128, 96])
-def test_bf16_dot_path_is_taken_and_isolates(gen, monkeypatch, cache_dtype, head_size):
+@pytest.mark.parametrize("draft_len, heads", [(5, (32, 8)), (4, (8, 8))])
+def test_bf16_dot_path_is_taken_and_isolates(gen, monkeypatch, cache_dtype, head_size, draft_len,
+                                             heads):
     """The dot and FMA paths round differently, so equal outputs would mean the dot path never
     ran; and a later draft token's V set to NaN leaves the earlier tokens bit-identical on it.
-    On FP8 caches head size 128 converts the codes in registers, 96 through bf16 image rows."""
+    On FP8 caches head size 128 converts the codes in registers, 96 through bf16 image rows; the
+    drafts give tasks of 20 rows (5 score blocks) and of 4 (one)."""
     monkeypatch.setenv("PAGEDSPEC_CPU_ISA", "avx512")
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")
-    case = Case(gen, seq_lens=[700, 1099], q_lens=[1, 5], num_heads=32, num_kv_heads=8,
-                head_size=head_size, block_size=16, dtype=torch.bfloat16, cache_dtype=cache_dtype)
+    num_heads, num_kv_heads = heads
+    case = Case(gen, seq_lens=[700, 1099], q_lens=[1, draft_len], num_heads=num_heads,
+                num_kv_heads=num_kv_heads, head_size=head_size, block_size=16,
+                dtype=torch.bfloat16, cache_dtype=cache_dtype)
     monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", "0")
     fma, _, _ = case.run(ops.paged_attention)
     monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", "1")
@@ -136,10 +142,11 @@ def test_bf16_dot_path_is_taken_and_isolates(gen, monkeypatch, cache_dtype, head
     assert not torch.equal(dot, fma)
     torch.testing.assert_close(dot.float(), fma.float(), rtol=1.6e-2, atol=1.6e-2)
     slot = int(case.block_tables[1, 1098 // 16]) * 16 + 1098 % 16  # the last draft token's row
-    case.value_cache.view(-1, 8, head_size)[slot] = float("nan")  # NaN in every cache format
+    case.value_cache.view(-1, num_kv_heads, head_size)[slot] = float("nan")  # in every format
     out, lse, _ = case.run(ops.paged_attention, lse=True)
-    assert torch.equal(out[:5], dot[:5]) and torch.equal(lse[:5], dot_lse[:5])
-    assert not torch.isfinite(out[5]).all()
+    last = draft_len  # the last draft token's index in the batch (after the decode token)
+    assert torch.equal(out[:last], dot[:last]) and torch.equal(lse[:last], dot_lse[:last])
+    assert not torch.isfinite(out[last]).all()
 
 
 def test_levels_are_reported(monkeypatch):
