@@ -589,6 +589,13 @@ class CpuPagedAttention {
     static const Fp8ImageBytes kBytes = fp8_image_bytes(reader.table);
     return kBytes;
   }
+  // The in-register conversion's tables in registers, if this task converts FP8 codes there.
+  static std::optional<Fp8ImageLookup> fp8_lookup(const Workspace& ws, const Reader& reader) {
+    if constexpr (F != CacheFormat::kNative) {
+      if (ws.dot_fp8) return Fp8ImageLookup(fp8_bytes(reader));
+    }
+    return std::nullopt;
+  }
   static const uint8_t* const* as_codes(const CacheT* const* rows) {
     return reinterpret_cast<const uint8_t* const*>(rows);
   }
@@ -701,10 +708,7 @@ class CpuPagedAttention {
       }
     }
 #if PAGEDSPEC_CPU_LEVEL == 2
-    std::optional<Fp8ImageLookup> lookup;
-    if constexpr (F != CacheFormat::kNative) {
-      if (ws.dot_fp8) lookup.emplace(fp8_bytes(ws.kreader));
-    }
+    const std::optional<Fp8ImageLookup> lookup = fp8_lookup(ws, ws.kreader);
 #endif
     // One score block: through the dot path or the FMA path.
     const auto block = [&](auto NR, auto NT, int r0, int t, float* out) {
@@ -839,10 +843,7 @@ class CpuPagedAttention {
   void accumulate_rows(Workspace& ws, int r0, int nr) const {
     const int D = p_.head_size;
 #if PAGEDSPEC_CPU_LEVEL == 2
-    std::optional<Fp8ImageLookup> lookup;
-    if constexpr (F != CacheFormat::kNative) {
-      if (ws.dot_fp8) lookup.emplace(fp8_bytes(ws.vreader));
-    }
+    const std::optional<Fp8ImageLookup> lookup = fp8_lookup(ws, ws.vreader);
 #endif
     int begin = 0;
     for (int i = 0; i < nr; ++i) {
