@@ -36,6 +36,10 @@ static_assert(kTile == kAmxTilePositions, "amx_accumulate takes one whole tile o
 // Key rows per score block: with 4 query rows, 16 (AVX-512, baseline) or 8 (AVX2: 16 registers)
 // accumulators.
 constexpr int kScoreTokens = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 4;
+// Register vectors of a key row read per step (load_regs): AVX2 reads 16 elements at a time, so
+// that a bf16 row takes one load per 16 (CacheReader::load_pair); every head size is a multiple
+// of 16.
+constexpr int kScoreStep = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 1;
 
 // out[r * NT + t] = q[r] . k[t] for NR query rows (stride D) and NT key rows read straight from
 // the cache: each key vector is decoded once for all NR rows, each query vector loaded once for
@@ -52,12 +56,14 @@ template <int NR, int NT, typename CacheT, CacheFormat F>
   for (int r = 0; r < NR; ++r) {
     for (int t = 0; t < NT; ++t) acc[r][t] = rzero();
   }
-  for (int d = 0; d < D; d += kRegLanes) {
-    rvec kv[NT];
-    for (int t = 0; t < NT; ++t) kv[t] = load_reg(reader, k[t] + d);
+  for (int d = 0; d < D; d += kScoreStep * kRegLanes) {
+    rvec kv[NT][kScoreStep];
+    for (int t = 0; t < NT; ++t) load_regs<kScoreStep>(reader, k[t] + d, kv[t]);
     for (int r = 0; r < NR; ++r) {
-      const rvec qv = rload(q + r * D + d);
-      for (int t = 0; t < NT; ++t) acc[r][t] = rfma(qv, kv[t], acc[r][t]);
+      for (int s = 0; s < kScoreStep; ++s) {
+        const rvec qv = in_register(rload(q + r * D + d + s * kRegLanes));
+        for (int t = 0; t < NT; ++t) acc[r][t] = rfma(qv, kv[t][s], acc[r][t]);
+      }
     }
   }
 #if PAGEDSPEC_CPU_LEVEL == 2
@@ -98,10 +104,8 @@ template <int NR, int C, typename CacheT, CacheFormat F>
   if constexpr (kTwoSets) {
     for (; t + 2 <= n; t += 2) {
       rvec v0[C], v1[C];
-      for (int c = 0; c < C; ++c) {
-        v0[c] = load_reg(reader, v[t] + d0 + c * kRegLanes);
-        v1[c] = load_reg(reader, v[t + 1] + d0 + c * kRegLanes);
-      }
+      load_regs<C>(reader, v[t] + d0, v0);
+      load_regs<C>(reader, v[t + 1] + d0, v1);
       for (int r = 0; r < NR; ++r) {
         const rvec w0 = rset1(w[r * w_stride + t]);
         const rvec w1 = rset1(w[r * w_stride + t + 1]);
@@ -114,7 +118,7 @@ template <int NR, int C, typename CacheT, CacheFormat F>
   }
   for (; t < n; ++t) {
     rvec v0[C];
-    for (int c = 0; c < C; ++c) v0[c] = load_reg(reader, v[t] + d0 + c * kRegLanes);
+    load_regs<C>(reader, v[t] + d0, v0);
     for (int r = 0; r < NR; ++r) {
       const rvec w0 = rset1(w[r * w_stride + t]);
       for (int c = 0; c < C; ++c) a[r][c] = rfma(w0, v0[c], a[r][c]);
@@ -130,8 +134,11 @@ template <int NR, int C, typename CacheT, CacheFormat F>
 }
 
 // Vectors of D per accumulate_span pass: 4 rows x 4 accumulators fit AVX-512's 32 registers
-// with the value and weight vectors, 4 x 2 AVX2's 16; the baseline's vectors are SSE arrays.
+// with the value and weight vectors, 4 x 2 AVX2's 16 (a pair from load_regs, so D, a multiple
+// of 16, needs no single-vector rest there); the baseline's vectors are SSE arrays.
 constexpr int kValueSpan = PAGEDSPEC_CPU_LEVEL == 2 ? 4 : (PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 1);
+static_assert(kValueSpan == kScoreStep || PAGEDSPEC_CPU_LEVEL != 1,
+              "AVX2's value spans and score steps are both one load_pair");
 
 // acc[r] += sum_t w[r][t] * v[t] for NR rows (acc stride D, w stride w_stride) over n value rows
 // read straight from the cache, in spans of kValueSpan vectors (then single vectors for the rest
@@ -663,6 +670,9 @@ class CpuPagedAttention {
       float* dst = ws.q.data() + size_t(r) * D;
 #pragma omp simd
       for (int d = 0; d < D; ++d) dst[d] = ScalarConvert<QT>::to_float(src[d]) * q_scale;
+#if PAGEDSPEC_CPU_LEVEL == 1
+      if constexpr (Reader::kEvenOddPairs) even_odd_order(dst, D);  // as K is read
+#endif
     }
   }
 
@@ -824,6 +834,11 @@ class CpuPagedAttention {
       }
     }
     if (ws.amx) amx_end();
+#if PAGEDSPEC_CPU_LEVEL == 1
+    if constexpr (Reader::kEvenOddPairs) {  // V was read in even/odd order too
+      for (int r = 0; r < R; ++r) even_odd_to_natural(ws.acc.data() + size_t(r) * D, D);
+    }
+#endif
 #if PAGEDSPEC_CPU_LEVEL == 2
     if (ws.dot) {
       for (int r = 0; r < R; ++r) {

@@ -79,9 +79,10 @@ inline vfloat vrelu(vfloat a) {
 }
 // Lane i: x[2i] + x[2i + 1] over the 16 values of (a, b): hadd pairs neighbours within each
 // 128-bit lane (P0 P1 P4 P5 | P2 P3 P6 P7), and the 64-bit permute puts them in order.
-inline __m256 pair_sums8(__m256 a, __m256 b) {
-  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(a, b)), 0xD8));
+inline __m256 swap_middle_blocks(__m256 x) {  // 64-bit blocks in the order 0, 2, 1, 3
+  return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), 0xD8));
 }
+inline __m256 pair_sums8(__m256 a, __m256 b) { return swap_middle_blocks(_mm256_hadd_ps(a, b)); }
 inline vfloat vpair_sums(vfloat a, vfloat b) {
   return {pair_sums8(a.lo, a.hi), pair_sums8(b.lo, b.hi)};
 }
@@ -255,6 +256,9 @@ inline __m256i e4m3_fp16_images(__m256i sign_extended) {
 template <typename CacheT, CacheFormat F>
 struct CacheReader {
   static constexpr float kImage = F == CacheFormat::kE4M3 ? 256.0f : 1.0f;
+  // load_pair (AVX2) returns bf16 elements in even/odd order, not the natural one.
+  static constexpr bool kEvenOddPairs =
+      PAGEDSPEC_CPU_LEVEL == 1 && std::is_same_v<CacheT, c10::BFloat16>;
   const float* table = nullptr;  // FP8: the 256 codes' images, after init()
 
   // Built once per format and shared (read-only): a task's reader used to fill its own, 256
@@ -334,6 +338,22 @@ struct CacheReader {
         const __m256i codes = _mm256_zextsi128_si256(_mm_cvtepi8_epi16(raw));
         return _mm256_cvtph_ps(_mm256_castsi256_si128(e4m3_fp16_images(codes)));
       }
+    }
+  }
+
+  // 16 elements as two AVX2 registers, for the loops that walk a row 16 elements at a time:
+  // `first` elements 0..7 and `second` 8..15, except bf16 (kEvenOddPairs): one 256-bit load,
+  // the even elements by a 16-bit shift, the odd ones by masking off their low neighbours, so
+  // 2 operations per 16 where two widening loads took 2 loads and 4 (the shuffles compete with
+  // the FMAs for ports). The caller keeps the other operand in that order (even_odd_order).
+  void load_pair(const CacheT* __restrict p, __m256& first, __m256& second) const {
+    if constexpr (kEvenOddPairs) {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      first = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+      second = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(int(0xFFFF0000u))));
+    } else {
+      first = load8(p);
+      second = load8(p + 8);
     }
   }
 #endif
@@ -486,6 +506,24 @@ inline rvec radd(rvec a, rvec b) { return _mm256_add_ps(a, b); }
 inline float rsum(rvec v) { return vsum8(v); }
 template <typename Reader, typename CacheT>
 inline rvec load_reg(const Reader& reader, const CacheT* p) { return reader.load8(p); }
+
+// Each 16 floats of a row (n a multiple of 16) into load_pair's even/odd order (dimensions 0, 2,
+// .., 14 then 1, 3, .., 15), and back.
+inline void even_odd_order(float* __restrict row, int n) {
+  for (int i = 0; i < n; i += 16) {
+    const __m256 a = _mm256_loadu_ps(row + i), b = _mm256_loadu_ps(row + i + 8);
+    _mm256_storeu_ps(row + i, swap_middle_blocks(_mm256_shuffle_ps(a, b, 0x88)));
+    _mm256_storeu_ps(row + i + 8, swap_middle_blocks(_mm256_shuffle_ps(a, b, 0xDD)));
+  }
+}
+inline void even_odd_to_natural(float* __restrict row, int n) {
+  for (int i = 0; i < n; i += 16) {
+    const __m256 even = _mm256_loadu_ps(row + i), odd = _mm256_loadu_ps(row + i + 8);
+    const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+    _mm256_storeu_ps(row + i, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(row + i + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+}
 #else
 constexpr int kRegLanes = kLanes;
 using rvec = vfloat;
@@ -499,6 +537,31 @@ inline float rsum(rvec v) { return vsum(v); }
 template <typename Reader, typename CacheT>
 inline rvec load_reg(const Reader& reader, const CacheT* p) { return reader.load16(p); }
 #endif
+
+// v, held in a register: GCC otherwise folds the load of a value used by several FMAs into
+// each of them, and at AVX2 a 4 x 2 score block then issued 20 loads per 16 FMAs (the load
+// ports, not the FMAs, set its pace).
+// (AVX2 only: the wider levels have the load ports to spare.)
+[[gnu::always_inline]] inline rvec in_register(rvec v) {
+#if PAGEDSPEC_CPU_LEVEL == 1
+  asm("" : "+x"(v));
+#endif
+  return v;
+}
+
+// S register vectors of cache elements from p: load_pair's two at the AVX2 level (S = 2), else
+// one load_reg per vector.
+template <int S, typename Reader, typename CacheT>
+[[gnu::always_inline]] inline void load_regs(const Reader& reader, const CacheT* p,
+                                             rvec (&out)[S]) {
+#if PAGEDSPEC_CPU_LEVEL == 1
+  if constexpr (S == 2) {
+    reader.load_pair(p, out[0], out[1]);
+    return;
+  }
+#endif
+  for (int s = 0; s < S; ++s) out[s] = load_reg(reader, p + s * kRegLanes);
+}
 
 }  // namespace
 }  // namespace PAGEDSPEC_CPU_NAMESPACE
