@@ -61,7 +61,8 @@ template <int NR, int NT, typename CacheT, CacheFormat F>
     for (int t = 0; t < NT; ++t) load_regs<kScoreStep>(reader, k[t] + d, kv[t]);
     for (int r = 0; r < NR; ++r) {
       for (int s = 0; s < kScoreStep; ++s) {
-        const rvec qv = in_register(rload(q + r * D + d + s * kRegLanes));
+        rvec qv = rload(q + r * D + d + s * kRegLanes);
+        if constexpr (CacheReader<CacheT, F>::kEvenOddPairs) qv = in_register(qv);
         for (int t = 0; t < NT; ++t) acc[r][t] = rfma(qv, kv[t][s], acc[r][t]);
       }
     }

@@ -541,7 +541,7 @@ inline rvec load_reg(const Reader& reader, const CacheT* p) { return reader.load
 // v, held in a register: GCC otherwise folds the load of a value used by several FMAs into
 // each of them, and at AVX2 a 4 x 2 score block then issued 20 loads per 16 FMAs (the load
 // ports, not the FMAs, set its pace).
-// (AVX2 only: the wider levels have the load ports to spare.)
+// Used for bf16 rows only, where it was measured faster.
 [[gnu::always_inline]] inline rvec in_register(rvec v) {
 #if PAGEDSPEC_CPU_LEVEL == 1
   asm("" : "+x"(v));
