@@ -126,9 +126,9 @@ def test_bf16_dot_path_matches_reference(gen, monkeypatch, dot, variant, q_lens,
 def test_bf16_dot_path_is_taken_and_isolates(gen, monkeypatch, cache_dtype, head_size, draft_len,
                                              heads):
     """The dot and FMA paths round differently, so equal outputs would mean the dot path never
-    ran; and a later draft token's V set to NaN leaves the earlier tokens bit-identical on it.
-    On FP8 caches head size 128 converts the codes in registers, 96 through bf16 image rows; the
-    drafts give tasks of 20 rows (5 score blocks) and of 4 (one)."""
+    ran; and a later draft token's K and V set to NaN leave the earlier tokens bit-identical on
+    it. On FP8 caches head size 128 converts the codes in registers, 96 through bf16 image rows;
+    the drafts give tasks of 20 rows (5 score blocks) and of 4 (one)."""
     monkeypatch.setenv("PAGEDSPEC_CPU_ISA", "avx512")
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")
     num_heads, num_kv_heads = heads
@@ -142,7 +142,8 @@ def test_bf16_dot_path_is_taken_and_isolates(gen, monkeypatch, cache_dtype, head
     assert not torch.equal(dot, fma)
     torch.testing.assert_close(dot.float(), fma.float(), rtol=1.6e-2, atol=1.6e-2)
     slot = int(case.block_tables[1, 1098 // 16]) * 16 + 1098 % 16  # the last draft token's row
-    case.value_cache.view(-1, num_kv_heads, head_size)[slot] = float("nan")  # in every format
+    for cache in (case.key_cache, case.value_cache):
+        cache.view(-1, num_kv_heads, head_size)[slot] = float("nan")  # in every format
     out, lse, _ = case.run(ops.paged_attention, lse=True)
     last = draft_len  # the last draft token's index in the batch (after the decode token)
     assert torch.equal(out[:last], dot[:last]) and torch.equal(lse[:last], dot_lse[:last])
