@@ -6,11 +6,12 @@
 // query tokens x all query heads of that KV head's group, so each K/V row is read from memory
 // once per task and used by every row. Positions are walked in tiles of kTile: K rows are read
 // straight from the cache and decoded in registers (CacheReader: bf16/fp16 conversions, FP8 as
-// exactly CacheCodec::decode), scored against the rows in 4-row x 4-position blocks, folded into
-// each row's online-softmax state (include/pagedspec/attention.h, the same helpers as the CUDA
-// kernels), then the V rows are decoded and accumulated with the weights. What a row may not see
-// (past its causal limit, or past seq_len) never enters its softmax or its accumulator, not even
-// with a zero weight, so inf or NaN in unused slots or in a later draft token cannot reach it.
+// exactly CacheCodec::decode), scored against the rows in 4-row x 4-position blocks (5 x 2 at
+// AVX2), folded into each row's online-softmax state (include/pagedspec/attention.h, the same
+// helpers as the CUDA kernels), then the V rows are decoded and accumulated with the weights.
+// What a row may not see (past its causal limit, or past seq_len) never enters its softmax or its
+// accumulator, not even with a zero weight, so inf or NaN in unused slots or in a later draft
+// token cannot reach it.
 // The next tile's K rows and this tile's V rows are prefetched while scoring (the rows are
 // scattered by the block table, so the hardware prefetchers cannot run ahead).
 // On the AVX-512 level, bf16 tasks may instead score and accumulate with AMX tile multiplies
@@ -33,13 +34,19 @@ constexpr int kMassTile = 256; // positions per attn_mass task
 // tile multiply computes 16 rows whatever the count, so below this the FMA path is as fast.
 constexpr int kAmxMinRows = 8;
 static_assert(kTile == kAmxTilePositions, "amx_accumulate takes one whole tile of values");
-// Key rows per score block: with 4 query rows, 16 (AVX-512, baseline) or 8 (AVX2: 16 registers)
-// accumulators.
+// Key rows per score block: with kRowBlock query rows, 16 (AVX-512, baseline: 4 x 4) or 10
+// (AVX2: 5 x 2 in 16 registers) accumulators.
 constexpr int kScoreTokens = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 4;
 // Register vectors of a key row read per step (load_regs): AVX2 reads 16 elements at a time, so
 // that a bf16 row takes one load per 16 (CacheReader::load_pair); every head size is a multiple
 // of 16.
 constexpr int kScoreStep = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 1;
+// Query rows per score and value block. Each accumulator is one FMA latency chain, and two FMA
+// pipes of 5-cycle latency (Zen 2) need 10 chains to stay busy: AVX2 takes 5 rows (5 x 2 score
+// accumulators beside 4 key vectors and a query vector, 5 x 2 value accumulators), so a
+// verification step's FMAs are no longer latency-bound at 80% of peak there; AVX-512 keeps 4
+// (16 score accumulators).
+constexpr int kRowBlock = PAGEDSPEC_CPU_LEVEL == 1 ? 5 : 4;
 
 // out[r * NT + t] = q[r] . k[t] for NR query rows (stride D) and NT key rows read straight from
 // the cache: each key vector is decoded once for all NR rows, each query vector loaded once for
@@ -73,8 +80,9 @@ template <int NR, int NT, typename CacheT, CacheFormat F>
     return;
   }
 #elif PAGEDSPEC_CPU_LEVEL == 1
-  if constexpr (NR * NT == 8) {
+  if constexpr (NR * NT >= 8) {  // the first 8 sums at once (acc is row-major, as out)
     _mm256_storeu_ps(out, sum8(&acc[0][0]));
+    for (int i = 8; i < NR * NT; ++i) out[i] = rsum((&acc[0][0])[i]);
     return;
   }
 #endif
@@ -135,7 +143,7 @@ template <int NR, int C, typename CacheT, CacheFormat F>
 }
 
 // Vectors of D per accumulate_span pass: 4 rows x 4 accumulators fit AVX-512's 32 registers
-// with the value and weight vectors, 4 x 2 AVX2's 16 (a pair from load_regs, so D, a multiple
+// with the value and weight vectors, 5 x 2 AVX2's 16 (a pair from load_regs, so D, a multiple
 // of 16, needs no single-vector rest there); the baseline's vectors are SSE arrays.
 constexpr int kValueSpan = PAGEDSPEC_CPU_LEVEL == 2 ? 4 : (PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 1);
 static_assert(kValueSpan == kScoreStep || PAGEDSPEC_CPU_LEVEL != 1,
@@ -740,11 +748,11 @@ class CpuPagedAttention {
 #endif
       score_block<NR, NT>(ws.q.data() + size_t(r0) * D, ws.krows + t, ws.kreader, D, out);
     };
-    for (int r0 = 0; r0 < R; r0 += 4) {
-      const int nr = std::min(4, R - r0);
+    for (int r0 = 0; r0 < R; r0 += kRowBlock) {
+      const int nr = std::min(kRowBlock, R - r0);
       const int group_visible = ws.visible[r0 + nr - 1];
       with_rows(nr, [&](auto NR) {
-        float out[4 * kScoreTokens];
+        float out[kRowBlock * kScoreTokens];
         int t = 0;
         for (; t + kScoreTokens <= group_visible; t += kScoreTokens) {
           if (r0 == 0) {
@@ -767,6 +775,9 @@ class CpuPagedAttention {
   template <typename Fn>
   static void with_rows(int nr, Fn&& fn) {
     switch (nr) {
+#if PAGEDSPEC_CPU_LEVEL == 1
+      case 5: fn(std::integral_constant<int, 5>{}); break;
+#endif
       case 4: fn(std::integral_constant<int, 4>{}); break;
       case 3: fn(std::integral_constant<int, 3>{}); break;
       case 2: fn(std::integral_constant<int, 2>{}); break;
@@ -831,7 +842,9 @@ class CpuPagedAttention {
                        bf16_rows(ws.vrows, 0, kTile, ws.vreader, ws.vimg, ws.vimg_rows), D,
                        ws.acc.data());
       } else {
-        for (int r0 = 0; r0 < R; r0 += 4) accumulate_rows(ws, r0, std::min(4, R - r0));
+        for (int r0 = 0; r0 < R; r0 += kRowBlock) {
+          accumulate_rows(ws, r0, std::min(kRowBlock, R - r0));
+        }
       }
     }
     if (ws.amx) amx_end();
