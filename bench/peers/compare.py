@@ -295,6 +295,12 @@ def main(argv=None) -> int:
     vllm_isas = sorted({(col, rec["case"].rsplit("/", 1)[-1], impl["isa"]) for rec in records
                         if rec["side"] == "vllm" for col, impl in rec["impls"].items()
                         if "isa" in impl})
+    # vLLM's own reasons, as it raised them (block size, or FP8 on a CPU without AVX-512).
+    rejections: dict = {}
+    for rec in records:
+        for col, impl in rec["impls"].items():
+            if rec["side"] == "vllm" and "unsupported" in impl:
+                rejections.setdefault(impl["unsupported"].rstrip("."), set()).add(col)
     header = [
         "# pagedspec vs vLLM CPU paged attention (Llama-3-8B heads: 32 q / 8 kv / 128)", "",
         f"Machine: {machine.get('Model name', '?')}, {machine.get('CPU(s)', '?')} CPUs, "
@@ -307,8 +313,10 @@ def main(argv=None) -> int:
         "fraction of the same process's copy bandwidth. pagedspec/vLLM: time ratio "
         "(< 1: pagedspec faster). vLLM's kernel per column, as its backend chooses it: "
         + (", ".join(f"{col} {dtype} {isa}" for col, dtype, isa in vllm_isas) or "none timed")
-        + "; n/a: vLLM rejects it (FP8 needs a block size that is a "
-        "multiple of 32). SDPA: torch's SDPA on K/V pre-gathered into contiguous tensors "
+        + "; n/a: vLLM rejects it ("
+        + ("; ".join(f"{', '.join(sorted(cols))}: {why}" for why, cols in rejections.items())
+           or "none here")
+        + "). SDPA: torch's SDPA on K/V pre-gathered into contiguous tensors "
         "(FP8 dequantized to bf16: it reads bf16).", ""]
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write("\n".join(header) + md)
