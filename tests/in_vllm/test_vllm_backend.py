@@ -87,25 +87,38 @@ def _generate(model, backend, dtype=EXACT_DTYPE, kv_cache_dtype="auto", passes=2
               enforce_eager=True, block_size=BLOCK, attention_backend=backend,
               enable_prefix_caching=True, enable_chunked_prefill=True,
               max_num_batched_tokens=64, kv_cache_dtype=kv_cache_dtype, seed=0)
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1, ignore_eos=True)
+    # Top-2 logprobs: a near-tie decided differently (_assert_same) shows as the runner-up.
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2, ignore_eos=True)
     results = []
     for _ in range(passes):  # the second pass hits the prefix cache
         outs = llm.generate(_prompts(), params, use_tqdm=False)
         results.append([(list(o.outputs[0].token_ids),
                          [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
-                                                         o.outputs[0].token_ids)])
+                                                         o.outputs[0].token_ids)],
+                         [{k: v.logprob for k, v in lp.items()} for lp in o.outputs[0].logprobs])
                         for o in outs])
     del llm
     gc.collect()
     return results
 
 
-def _assert_same(ours, theirs, atol, steps=MAX_TOKENS):
+def _assert_same(ours, theirs, atol, steps=MAX_TOKENS, near_ties=False):
+    """The same greedy tokens with logprobs within atol, over the first `steps` steps. With
+    near_ties, a sequence may part at a step where the two choices are within atol of each other
+    in both backends (each backend's token the other's runner-up): rounding decides such a tie,
+    and after it the contexts differ, so the rest of that sequence is not compared."""
     for p, (mine, stock) in enumerate(zip(ours, theirs)):
-        for r, ((tok_a, lp_a), (tok_b, lp_b)) in enumerate(zip(mine, stock)):
-            tok_a, lp_a, tok_b, lp_b = tok_a[:steps], lp_a[:steps], tok_b[:steps], lp_b[:steps]
-            assert tok_a == tok_b, f"pass {p}, prompt {r}: tokens {tok_a} != {tok_b}"
-            assert max(abs(a - b) for a, b in zip(lp_a, lp_b)) <= atol, (p, r, lp_a, lp_b)
+        for r, ((tok_a, lp_a, top_a), (tok_b, lp_b, top_b)) in enumerate(zip(mine, stock)):
+            where = f"pass {p}, prompt {r}: tokens {tok_a[:steps]} != {tok_b[:steps]}"
+            for s in range(min(steps, len(tok_a), len(tok_b))):
+                if tok_a[s] != tok_b[s]:
+                    assert near_ties, where
+                    a, b = tok_a[s], tok_b[s]
+                    assert b in top_a[s] and a in top_b[s], (where, s, top_a[s], top_b[s])
+                    gaps = (top_a[s][a] - top_a[s][b], top_b[s][b] - top_b[s][a])
+                    assert max(gaps) <= atol, (where, s, "not a near-tie", gaps)
+                    break
+                assert abs(lp_a[s] - lp_b[s]) <= atol, (p, r, s, lp_a[s], lp_b[s])
 
 
 @pytest.fixture(scope="module")
@@ -191,19 +204,27 @@ def test_negative_control_diverges(models, stock):
                          [("bfloat16", "auto", 0.1, MAX_TOKENS), ("bfloat16", "fp8_e4m3", 0.3, 1),
                           ("bfloat16", "fp8_e5m2", 0.6, 1)])
 def test_bfloat16_and_fp8_caches(models, dtype, kv_cache_dtype, atol, steps):
-    """bfloat16 activations: the same greedy tokens. Logprobs differ by more than in float32:
+    """bfloat16 activations: the same greedy tokens until a near-tie (seen with vLLM's AVX2
+    kernels: prompt 1 parted at step 3), with logprobs within atol. They differ by more than in
+    float32:
     vLLM's AMX kernel multiplies bfloat16 probabilities (2^-8 relative each) where pagedspec keeps
     them in float32, and the lm_head scaled 8x turns that into ~0.03 (measured) on logits of ~10.
     FP8 caches (scale 1.0): vLLM's FP8 attention is 2-4% of the largest output off the exact
     result (bench/peers/compare.py), which moved the logprobs by up to 0.17 (e4m3) and 0.32
     (e5m2, one mantissa bit fewer, so twice the bound) and flipped near-ties later in greedy
     sequences (seen at steps 2 and 4): only the first step (the prefill, which reads its K/V back
-    from the FP8 cache) must agree."""
+    from the FP8 cache) must agree. vLLM's CPU backend refuses FP8 caches on CPUs without
+    AVX-512: there is nothing to compare with, and the test skips with vLLM's reason."""
+    try:
+        theirs = _generate(models["llama"], STOCK, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                           passes=1)
+    except NotImplementedError as e:
+        if kv_cache_dtype == "auto":
+            raise
+        pytest.skip(f"vLLM's own {STOCK} backend refuses {kv_cache_dtype} here: {e}")
     ours = _generate(models["llama"], "CUSTOM", dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                      passes=1)
-    theirs = _generate(models["llama"], STOCK, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                       passes=1)
-    _assert_same(ours, theirs, atol=atol, steps=steps)
+    _assert_same(ours, theirs, atol=atol, steps=steps, near_ties=True)
 
 
 def test_importing_pagedspec_does_not_import_vllm():
