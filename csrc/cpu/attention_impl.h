@@ -27,7 +27,7 @@ namespace pagedspec {
 namespace PAGEDSPEC_CPU_NAMESPACE {
 namespace {
 
-constexpr int kDefaultTile = 32;  // positions decoded and scored together (CpuPagedAttention::kTile)
+constexpr int kDefaultTile = 32;  // positions per tile (CpuPagedAttention::kTile)
 constexpr int kMaxRows = kCpuAttentionRows;  // query rows (tokens x heads of a group) per task
 constexpr int kMassTile = 256; // positions per attn_mass task
 // Rows from which the AVX-512 level scores bf16 tiles with AMX tile multiplies (cpu/amx.h): a
@@ -487,8 +487,8 @@ class CpuPagedAttention {
   using Reader = CacheReader<CacheT, F>;
   // Positions per tile, and so how far ahead the next tile's K rows are prefetched. A KV head's
   // float32 rows lie 4 KB apart, all in the same 8 L1 sets, and prefetched a 32-position tile
-  // ahead they were evicted before use: 16 made float32 decode 12-14% faster on an AVX2-only
-  // Zen 2 (bf16 unchanged, 64 slower). The AVX-512 level keeps 32 (its AMX tiles take 32).
+  // ahead they were evicted before use: 16 made float32 decode 12-19% faster on an AVX2-only
+  // Zen 2 (bf16: 16 no faster, 64 slower). The AVX-512 level keeps 32 (its AMX tiles take 32).
   static constexpr int kTile =
       PAGEDSPEC_CPU_LEVEL == 1 && sizeof(CacheT) == 4 ? kDefaultTile / 2 : kDefaultTile;
 

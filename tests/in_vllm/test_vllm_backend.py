@@ -206,9 +206,9 @@ def test_negative_control_diverges(models, stock):
 def test_bfloat16_and_fp8_caches(models, dtype, kv_cache_dtype, atol, steps):
     """bfloat16 activations: the same greedy tokens until a near-tie (seen with vLLM's AVX2
     kernels: prompt 1 parted at step 3), with logprobs within atol. They differ by more than in
-    float32:
-    vLLM's AMX kernel multiplies bfloat16 probabilities (2^-8 relative each) where pagedspec keeps
-    them in float32, and the lm_head scaled 8x turns that into ~0.03 (measured) on logits of ~10.
+    float32: vLLM's AMX kernel multiplies bfloat16 probabilities (2^-8 relative each) where
+    pagedspec keeps them in float32, and the lm_head scaled 8x turns that into ~0.03 (measured)
+    on logits of ~10.
     FP8 caches (scale 1.0): vLLM's FP8 attention is 2-4% of the largest output off the exact
     result (bench/peers/compare.py), which moved the logprobs by up to 0.17 (e4m3) and 0.32
     (e5m2, one mantissa bit fewer, so twice the bound) and flipped near-ties later in greedy
