@@ -34,6 +34,12 @@ constexpr int kMassTile = 256; // positions per attn_mass task
 // tile multiply computes 16 rows whatever the count, so below this the FMA path is as fast.
 constexpr int kAmxMinRows = 8;
 static_assert(kDefaultTile == kAmxTilePositions, "amx_accumulate takes one whole tile of values");
+// Query rows per score and value block. Each accumulator is one FMA latency chain, and two FMA
+// pipes of 5-cycle latency (Zen 2) need 10 chains to stay busy: AVX2 takes 5 rows (5 x 2 score
+// accumulators beside 4 key vectors and a query vector, 5 x 2 value accumulators), so a
+// verification step's FMAs are no longer latency-bound at 80% of peak there; AVX-512 keeps 4
+// (16 score accumulators).
+constexpr int kRowBlock = PAGEDSPEC_CPU_LEVEL == 1 ? 5 : 4;
 // Key rows per score block: with kRowBlock query rows, 16 (AVX-512, baseline: 4 x 4) or 10
 // (AVX2: 5 x 2 in 16 registers) accumulators.
 constexpr int kScoreTokens = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 4;
@@ -41,12 +47,6 @@ constexpr int kScoreTokens = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 4;
 // that a bf16 row takes one load per 16 (CacheReader::load_pair); every head size is a multiple
 // of 16.
 constexpr int kScoreStep = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 1;
-// Query rows per score and value block. Each accumulator is one FMA latency chain, and two FMA
-// pipes of 5-cycle latency (Zen 2) need 10 chains to stay busy: AVX2 takes 5 rows (5 x 2 score
-// accumulators beside 4 key vectors and a query vector, 5 x 2 value accumulators), so a
-// verification step's FMAs are no longer latency-bound at 80% of peak there; AVX-512 keeps 4
-// (16 score accumulators).
-constexpr int kRowBlock = PAGEDSPEC_CPU_LEVEL == 1 ? 5 : 4;
 
 // out[r * NT + t] = q[r] . k[t] for NR query rows (stride D) and NT key rows read straight from
 // the cache: each key vector is decoded once for all NR rows, each query vector loaded once for
@@ -780,10 +780,11 @@ class CpuPagedAttention {
 
   template <typename Fn>
   static void with_rows(int nr, Fn&& fn) {
+    static_assert(kRowBlock <= 5, "with_rows dispatches blocks of up to 5 rows");
     switch (nr) {
-#if PAGEDSPEC_CPU_LEVEL == 1
-      case 5: fn(std::integral_constant<int, 5>{}); break;
-#endif
+      case 5:
+        if constexpr (kRowBlock >= 5) fn(std::integral_constant<int, 5>{});
+        break;
       case 4: fn(std::integral_constant<int, 4>{}); break;
       case 3: fn(std::integral_constant<int, 3>{}); break;
       case 2: fn(std::integral_constant<int, 2>{}); break;
