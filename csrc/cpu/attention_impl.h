@@ -2,9 +2,10 @@
 // by cpu/kernels_<level>.cpp, after cpu/kernel_levels.h (every header) and the level's
 // `#pragma GCC target`, with PAGEDSPEC_CPU_LEVEL and PAGEDSPEC_CPU_NAMESPACE defined.
 //
-// A task is (sequence, KV head, chunk of query rows, range of positions). Its query rows are all
-// query tokens x all query heads of that KV head's group, so each K/V row is read from memory
-// once per task and used by every row. Positions are walked in tiles of kTile: K rows are read
+// A task is (sequence, KV heads, chunk of query rows, range of positions). A head's query rows are
+// all query tokens x all query heads of its group, so each K/V row is read from memory once per
+// task and used by every row. Positions are walked in tiles of kTile, and within a tile head after
+// head (so a tile's cache tokens are read whole, see TilePrefetch): K rows are read
 // straight from the cache and decoded in registers (CacheReader: bf16/fp16 conversions, FP8 as
 // exactly CacheCodec::decode), scored against the rows in 4-row x 4-position blocks (5 x 2 at
 // AVX2), folded into each row's online-softmax state (include/pagedspec/attention.h, the same
@@ -12,8 +13,7 @@
 // What a row may not see (past its causal limit, or past seq_len) never enters its softmax or its
 // accumulator, not even with a zero weight, so inf or NaN in unused slots or in a later draft
 // token cannot reach it.
-// The next tile's K rows and this tile's V rows are prefetched while scoring (the rows are
-// scattered by the block table, so the hardware prefetchers cannot run ahead).
+// The next tile's cache tokens are prefetched, in address order, while this tile is scored.
 // On the AVX-512 level, bf16 tasks may instead score and accumulate with AMX tile multiplies
 // (cpu/amx.h, many rows, AMX machines) or with AVX512-BF16 dot products (cpu_bf16_dot()).
 //
@@ -450,13 +450,60 @@ inline void fp8_dot_to_natural(float* __restrict row, int D) {
 }
 #endif
 
-// Asks for the cache lines of `bytes` bytes at `ptr`. Each (position, KV head) row is only
-// D * elem_size bytes, scattered by the block table, so the hardware prefetchers cannot run ahead;
-// the kernel prefetches a tile ahead instead.
-inline void prefetch_row(const void* ptr, int bytes) {
-  const char* p = static_cast<const char*>(ptr);
-  for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
-}
+// The cache lines of the next tile, asked for a few at a time while the current one is worked
+// on, in address order. A KV head's rows are D * elem_size bytes, 2-4 KB apart and scattered by
+// the block table. On an AVX2 Zen 2 core, reading every head's rows of a 16-position tile, head
+// after head, ran at 8 GB/s with each head's next rows prefetched as they were read, and at
+// 14.5 GB/s with the same lines prefetched in address order (its plain streaming read: 15.4).
+// The ranges are of the K cache; the V cache, of the same layout, is prefetched at the same
+// offsets.
+struct TilePrefetch {
+  static constexpr int kMaxRuns = 64;  // >= positions per tile: at worst one range per position
+  const char* k = nullptr;
+  int64_t v_delta = 0;  // V address - K address, for the same element
+  bool values = false;  // also the V lines
+  uintptr_t begin[kMaxRuns], end[kMaxRuns];  // line-aligned K addresses, ascending ranges
+  int num_runs = 0, run = 0;
+  uintptr_t cur = 0;
+  int lines_per_step = 0;
+
+  void clear() { num_runs = run = 0; }
+  // Adds the K bytes [k + off, + bytes), merged into the last range where contiguous.
+  void add(int64_t off, int64_t bytes) {
+    const uintptr_t lo = (uintptr_t(k) + uintptr_t(off)) & ~uintptr_t(63);
+    const uintptr_t hi = uintptr_t(k) + uintptr_t(off + bytes);
+    if (num_runs > 0 && lo <= end[num_runs - 1]) {
+      end[num_runs - 1] = hi;
+    } else {
+      begin[num_runs] = lo;
+      end[num_runs++] = hi;
+    }
+  }
+  // Spreads the lines over `steps` calls of step(), from the first range.
+  void pace(int steps) {
+    int64_t lines = 0;
+    for (int i = 0; i < num_runs; ++i) lines += int64_t(end[i] - begin[i] + 63) / 64;
+    lines_per_step = steps > 0 ? int((lines + steps - 1) / steps) : int(lines);
+    run = 0;
+    cur = num_runs > 0 ? begin[0] : 0;
+  }
+  bool line() {
+    if (run == num_runs) return false;
+    __builtin_prefetch(reinterpret_cast<const char*>(cur), 0, 2);
+    if (values) __builtin_prefetch(reinterpret_cast<const char*>(cur + v_delta), 0, 2);
+    cur += 64;
+    if (cur >= end[run] && ++run < num_runs) cur = begin[run];
+    return true;
+  }
+  void step() {
+    for (int i = 0; i < lines_per_step && line(); ++i) {
+    }
+  }
+  void drain() {
+    while (line()) {
+    }
+  }
+};
 
 inline void scale_row(float* __restrict y, float a, int n) {
 #pragma omp simd
@@ -467,7 +514,8 @@ inline void scale_row(float* __restrict y, float a, int n) {
 // and head g of the group, so the rows of one query token are adjacent.
 struct Task {
   int seq;
-  int kv_head;
+  int kv_head;    // the first KV head
+  int num_heads;  // KV heads [kv_head, kv_head + num_heads)
   int row_begin;
   int num_rows;
   int pos_begin;
@@ -485,12 +533,12 @@ struct RowInfo {
 template <typename QT, typename CacheT, CacheFormat F>
 class CpuPagedAttention {
   using Reader = CacheReader<CacheT, F>;
-  // Positions per tile, and so how far ahead the next tile's K rows are prefetched. A KV head's
-  // float32 rows lie 4 KB apart, all in the same 8 L1 sets, and prefetched a 32-position tile
-  // ahead they were evicted before use: 16 made float32 decode 12-19% faster on an AVX2-only
-  // Zen 2 (bf16: 16 no faster, 64 slower). The AVX-512 level keeps 32 (its AMX tiles take 32).
-  static constexpr int kTile =
-      PAGEDSPEC_CPU_LEVEL == 1 && sizeof(CacheT) == 4 ? kDefaultTile / 2 : kDefaultTile;
+  // Positions per tile, and so how far ahead the next tile's cache tokens are prefetched: on an
+  // AVX2-only Zen 2 every prefetch fills L1, and the next 32 tokens of 8 heads (128 KB in bf16)
+  // streamed through it evicted one another and the rows in use before they were read. 16 made
+  // bf16 decode 1.5x faster from DRAM there (8 slower, with the online-softmax work per tile).
+  // The AVX-512 level keeps 32 (its AMX tiles take 32; Intel's and Zen 4's prefetcht1 fill L2).
+  static constexpr int kTile = PAGEDSPEC_CPU_LEVEL == 1 ? kDefaultTile / 2 : kDefaultTile;
 
  public:
   explicit CpuPagedAttention(const PagedAttentionParams<QT, CacheT>& p)
@@ -518,7 +566,6 @@ class CpuPagedAttention {
     std::vector<int> visible;
     const CacheT* krows[kTile];
     const CacheT* vrows[kTile];
-    const CacheT* next_krows[kTile];  // null past the end
     CacheReader<CacheT, F> kreader, vreader;
     // The AMX path on an FP8 cache, and the dot path where D is not a multiple of 64: the tile's
     // K and V rows as bf16 images, [kTile, D] each (bf16_rows).
@@ -623,21 +670,37 @@ class CpuPagedAttention {
   }
 #endif
 
-  // The prefetches issued while position t of the tile is scored, interleaved with the work so
-  // that a steady number of misses stays in flight: its V row (read after the scores) when the
-  // values are wanted, and the next tile's K row t. The caller passes row_bytes: read from p_
-  // here, it was recomputed inside the score loop and decode ran 25% slower.
-  static void prefetch_position(const Workspace& ws, int t, bool want_values, int row_bytes) {
-    if (want_values) prefetch_row(ws.vrows[t], row_bytes);
-    if (ws.next_krows[t] != nullptr) prefetch_row(ws.next_krows[t], row_bytes);
+  // Sets pf to the cache lines of positions [first, first + n) of sequence seq, for KV heads
+  // [kv_head, kv_head + num_heads) (adjacent in a cache token) of K, and of V if `values`, paced
+  // over `steps` calls of pf.step().
+  void plan_prefetch(TilePrefetch& pf, int seq, int first, int n, int kv_head, int num_heads,
+                     bool values, int steps) const {
+    static_assert(kTile <= TilePrefetch::kMaxRuns, "a tile's ranges fit the prefetch");
+    pf.k = reinterpret_cast<const char*>(p_.key_cache);
+    pf.v_delta = reinterpret_cast<const char*>(p_.value_cache) - pf.k;
+    pf.values = values;
+    pf.clear();
+    const int64_t bytes = int64_t(num_heads) * p_.head_size * int64_t(sizeof(CacheT));
+    for (int pos = first; pos < first + n; ++pos) {
+      pf.add(p_.cache_offset(seq, pos, kv_head) * int64_t(sizeof(CacheT)), bytes);
+    }
+    pf.pace(steps);
+  }
+  // The first tile of a task, for all its heads.
+  void plan_first_tile(TilePrefetch& pf, const Task& task, int steps) const {
+    const int n = std::min(kTile, task_pos_end(task) - task.pos_begin);
+    if (n <= 0) {
+      pf.clear();
+      return;
+    }
+    plan_prefetch(pf, task.seq, task.pos_begin, n, task.kv_head, task.num_heads, true, steps);
   }
 
   // score_tile through amx_scores, the whole tile in one call, with the same prefetches.
-  void score_tile_amx(const Task& task, Workspace& ws, int n, bool want_values) const {
+  void score_tile_amx(const Task& task, Workspace& ws, int n, TilePrefetch& pf) const {
     const int D = p_.head_size;
-    const int row_bytes = D * int(sizeof(CacheT));
     const float q_scale = score_scale(task.kv_head);
-    for (int t = 0; t < n; ++t) prefetch_position(ws, t, want_values, row_bytes);
+    for (int t = 0; t < n; ++t) pf.step();
     amx_scores(ws.q_vnni.data(), task.num_rows,
                bf16_rows(ws.krows, 0, n, ws.kreader, ws.kimg, ws.kimg_rows), n, D, q_scale,
                ws.w.data(), kTile);
@@ -691,9 +754,8 @@ class CpuPagedAttention {
     }
   }
 
-  // Locates the tile's n K and V rows and the next tile's K rows (prefetched while this tile is
-  // scored), and counts what each row may see of this tile.
-  void locate_tile(const Task& task, Workspace& ws, int start, int n, int next_n) const {
+  // Locates the tile's n K and V rows and counts what each row may see of this tile.
+  void locate_tile(const Task& task, Workspace& ws, int start, int n) const {
     // One block-table lookup per cache block, not per position.
     const int64_t token_stride = p_.cache_token_stride();
     const auto rows_of = [&](int first, int count, auto&& emit) {
@@ -710,9 +772,6 @@ class CpuPagedAttention {
       ws.krows[t] = p_.key_cache + off;
       ws.vrows[t] = p_.value_cache + off;
     });
-    rows_of(start + kTile, std::max(next_n, 0),
-            [&](int t, int64_t off) { ws.next_krows[t] = p_.key_cache + off; });
-    for (int t = std::max(next_n, 0); t < kTile; ++t) ws.next_krows[t] = nullptr;
     for (int r = 0; r < task.num_rows; ++r) {
       ws.visible[r] = std::clamp(ws.rows[r].limit - start + 1, 0, n);
     }
@@ -720,10 +779,10 @@ class CpuPagedAttention {
 
   // ws.w[r][t] = q[r] . k[t] for every row and every position it may see, blocks of four rows
   // and kScoreTokens positions. Rows ascend in query token, so the last row of a group sees the most.
-  void score_tile(const Task& task, Workspace& ws, bool want_values) const {
+  // One pf.step() per position of the first row block.
+  void score_tile(const Task& task, Workspace& ws, TilePrefetch& pf) const {
     const int D = p_.head_size;
     const int R = task.num_rows;
-    const int row_bytes = D * int(sizeof(CacheT));
     // The dot path's scale and K rows as bf16 (those any row sees).
     [[maybe_unused]] const float dot_scale = score_scale(task.kv_head);
     [[maybe_unused]] const uint16_t* const* dot_krows = nullptr;
@@ -762,7 +821,7 @@ class CpuPagedAttention {
         int t = 0;
         for (; t + kScoreTokens <= group_visible; t += kScoreTokens) {
           if (r0 == 0) {
-            for (int i = t; i < t + kScoreTokens; ++i) prefetch_position(ws, i, want_values, row_bytes);
+            for (int i = 0; i < kScoreTokens; ++i) pf.step();
           }
           block(NR, std::integral_constant<int, kScoreTokens>{}, r0, t, out);
           for (int i = 0; i < NR; ++i) {
@@ -770,7 +829,7 @@ class CpuPagedAttention {
           }
         }
         for (; t < group_visible; ++t) {
-          if (r0 == 0) prefetch_position(ws, t, want_values, row_bytes);
+          if (r0 == 0) pf.step();
           block(NR, std::integral_constant<int, 1>{}, r0, t, out);
           for (int i = 0; i < NR; ++i) ws.w[(r0 + i) * kTile + t] = out[i];
         }
@@ -792,68 +851,118 @@ class CpuPagedAttention {
     }
   }
 
-  // Online softmax of the task's rows over [pos_begin, pos_end): leaves each row's state in
-  // ws.state and its unnormalized accumulator (sum of weight * v) in ws.acc.
-  void attend(const Task& task, Workspace& ws) const {
-    const int D = p_.head_size;
+  // The task's first position past what its rows see (rows ascend in query token, so the last
+  // row sees the furthest).
+  int task_pos_end(const Task& task) const {
+    const int last = task.row_begin + task.num_rows - 1;
+    return std::min(task.pos_end, row_info(task.seq, task.kv_head, last).limit + 1);
+  }
+
+  // Online softmax of a plan item's rows over [pos_begin, pos_end), for every KV head: leaves
+  // each head's row states in heads[h].state and their unnormalized accumulators (sum of
+  // weight * v) in heads[h].acc. Tiles run outer and heads inner, so the item reads each tile's
+  // cache tokens whole, while the next tile's are prefetched in address order (TilePrefetch);
+  // the last tile prefetches the first of `next`, the item this thread runs next (if any), and
+  // `first_prefetched` says whether the previous item prefetched this one's.
+  void attend_item(const Task& item, const Task* next, bool first_prefetched,
+                   std::vector<Workspace>& heads, TilePrefetch& pf) const {
+    const int HK = item.num_heads;
+    for (int h = 0; h < HK; ++h) begin_head(with_head(item, item.kv_head + h), heads[h]);
+    const int pos_end = task_pos_end(item);
+    if (!first_prefetched) {
+      plan_first_tile(pf, item, 0);
+      pf.drain();
+    }
+    for (int start = item.pos_begin; start < pos_end; start += kTile) {
+      const int n = std::min(kTile, pos_end - start);
+      const int steps = n * HK;  // score_tile's pf.step() calls, about
+      if (start + kTile < pos_end) {
+        plan_prefetch(pf, item.seq, start + kTile, std::min(kTile, pos_end - start - kTile),
+                      item.kv_head, HK, true, steps);
+      } else if (next != nullptr) {
+        plan_first_tile(pf, *next, steps);
+      } else {
+        pf.clear();
+      }
+      for (int h = 0; h < HK; ++h) {
+        attend_tile(with_head(item, item.kv_head + h), heads[h], start, n, pf);
+      }
+      pf.drain();
+    }
+    for (int h = 0; h < HK; ++h) end_head(with_head(item, item.kv_head + h), heads[h]);
+  }
+
+  // The task for one of its heads.
+  static Task with_head(Task task, int kv_head) {
+    task.kv_head = kv_head;
+    task.num_heads = 1;
+    return task;
+  }
+
+  // A head's rows before its first tile: path, queries, empty states.
+  void begin_head(const Task& task, Workspace& ws) const {
     const int R = task.num_rows;
     choose_path(ws, R);
     load_queries(task, ws);
     if (ws.amx) begin_amx(ws, R);
     ws.kreader.init();
     ws.vreader.init();
-    std::fill(ws.acc.begin(), ws.acc.begin() + size_t(R) * D, 0.0f);
+    std::fill(ws.acc.begin(), ws.acc.begin() + size_t(R) * p_.head_size, 0.0f);
     std::fill(ws.state.begin(), ws.state.begin() + R, SoftmaxState::empty());
-    // Rows are in query-token order, so the last row sees the furthest.
-    const int pos_end = std::min(task.pos_end, ws.rows[R - 1].limit + 1);
-    for (int start = task.pos_begin; start < pos_end; start += kTile) {
-      const int n = std::min(kTile, pos_end - start);
-      locate_tile(task, ws, start, n, std::min(kTile, pos_end - start - kTile));
-      if (start == task.pos_begin) {
-        for (int t = 0; t < n; ++t) prefetch_row(ws.krows[t], D * int(sizeof(CacheT)));
+  }
+
+  // Positions [start, start + n) for one head's rows: scores, online softmax, values.
+  void attend_tile(const Task& task, Workspace& ws, int start, int n, TilePrefetch& pf) const {
+    const int D = p_.head_size;
+    const int R = task.num_rows;
+    locate_tile(task, ws, start, n);
+    if (ws.amx) {
+      score_tile_amx(task, ws, n, pf);
+    } else {
+      score_tile(task, ws, pf);
+    }
+    // Online softmax per row over the positions it sees (scores past its limit are left unread).
+    for (int r = 0; r < R; ++r) {
+      const int visible = ws.visible[r];
+      float* w = ws.w.data() + r * kTile;
+      if (visible > 0) {
+        SoftmaxState& st = ws.state[r];
+        const float factor = st.raise_max(max_weights(w, visible));
+        if (factor != 1.0f) scale_row(ws.acc.data() + size_t(r) * D, factor, D);
+        st.sum += exp2_weights(w, visible, st.max);
       }
-      if (ws.amx) {
-        score_tile_amx(task, ws, n, true);
-      } else {
-        score_tile(task, ws, true);
-      }
-      // Online softmax per row over the positions it sees (scores past its limit are left unread).
-      for (int r = 0; r < R; ++r) {
-        const int visible = ws.visible[r];
-        float* w = ws.w.data() + r * kTile;
-        if (visible > 0) {
-          SoftmaxState& st = ws.state[r];
-          const float factor = st.raise_max(max_weights(w, visible));
-          if (factor != 1.0f) scale_row(ws.acc.data() + size_t(r) * D, factor, D);
-          st.sum += exp2_weights(w, visible, st.max);
-        }
-      }
+    }
 #if PAGEDSPEC_CPU_LEVEL == 2
-      if (ws.dot) {  // V rows and weights as bf16 for the dot path's P.V (those past a row unread)
-        if constexpr (kDotCapable) {
-          if (!ws.dot_fp8) ws.dot_vrows = bf16_rows(ws.vrows, 0, n, ws.vreader, ws.vimg, ws.vimg_rows);
-        }
-        for (int r = 0; r < R; ++r) {
-          for (int t = 0; t < kTile; t += 16) {
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ws.w_bf16.data() + r * kTile + t),
-                                round_to_bf16(_mm512_loadu_ps(ws.w.data() + r * kTile + t)));
-          }
-        }
+    if (ws.dot) {  // V rows and weights as bf16 for the dot path's P.V (those past a row unread)
+      if constexpr (kDotCapable) {
+        if (!ws.dot_fp8) ws.dot_vrows = bf16_rows(ws.vrows, 0, n, ws.vreader, ws.vimg, ws.vimg_rows);
       }
-#endif
-      if (ws.amx && n == kTile && ws.visible[0] == kTile) {
-        // Every row sees the whole tile (rows ascend, so the first sees the least): no position
-        // is past a row's limit, so the tile multiply may take them all (the causal tail and
-        // partial tiles stay on the FMA path, which accumulates per visible segment).
-        amx_accumulate(ws.w.data(), kTile, R,
-                       bf16_rows(ws.vrows, 0, kTile, ws.vreader, ws.vimg, ws.vimg_rows), D,
-                       ws.acc.data());
-      } else {
-        for (int r0 = 0; r0 < R; r0 += kRowBlock) {
-          accumulate_rows(ws, r0, std::min(kRowBlock, R - r0));
+      for (int r = 0; r < R; ++r) {
+        for (int t = 0; t < kTile; t += 16) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ws.w_bf16.data() + r * kTile + t),
+                              round_to_bf16(_mm512_loadu_ps(ws.w.data() + r * kTile + t)));
         }
       }
     }
+#endif
+    if (ws.amx && n == kTile && ws.visible[0] == kTile) {
+      // Every row sees the whole tile (rows ascend, so the first sees the least): no position
+      // is past a row's limit, so the tile multiply may take them all (the causal tail and
+      // partial tiles stay on the FMA path, which accumulates per visible segment).
+      amx_accumulate(ws.w.data(), kTile, R,
+                     bf16_rows(ws.vrows, 0, kTile, ws.vreader, ws.vimg, ws.vimg_rows), D,
+                     ws.acc.data());
+    } else {
+      for (int r0 = 0; r0 < R; r0 += kRowBlock) {
+        accumulate_rows(ws, r0, std::min(kRowBlock, R - r0));
+      }
+    }
+  }
+
+  // A head's rows after its last tile: accumulators back in dimension order.
+  void end_head(const Task& task, Workspace& ws) const {
+    const int D = p_.head_size;
+    const int R = task.num_rows;
     if (ws.amx) amx_end();
 #if PAGEDSPEC_CPU_LEVEL == 1
     if constexpr (Reader::kEvenOddPairs) {  // V was read in even/odd order too
@@ -868,6 +977,7 @@ class CpuPagedAttention {
       }
     }
 #endif
+    (void)D, (void)R;
   }
 
   // acc[r] += sum over the positions row r sees of w[r][t] * v[t], for rows r0 .. r0 + nr - 1.
@@ -975,7 +1085,7 @@ class CpuPagedAttention {
   }
 
   // attn_mass: adds, for every visible position, the sum over all heads and query tokens of
-  // exp2(s - lse_log2), the final probability, with s recomputed exactly as attend() does.
+  // exp2(s - lse_log2), the final probability, with s recomputed exactly as attend_tile() does.
   // Tasks are (sequence, kMassTile positions) and loop over every KV head and row, so one
   // sequence's mass for a slot is summed inside one task and added once: distinct slots never
   // race, and the add is atomic only because two sequences may share a block (prefix sharing).
@@ -983,6 +1093,7 @@ class CpuPagedAttention {
     const int G = p_.group_size();
     at::parallel_for(0, int64_t(mass_tasks.size()), 1, [&](int64_t begin, int64_t end) {
       Workspace ws(p_.head_size);
+      TilePrefetch pf;
       std::vector<float> mass(kMassTile);
       std::vector<float> lse2(kMaxRows);
       for (int64_t i = begin; i < end; ++i) {
@@ -993,9 +1104,9 @@ class CpuPagedAttention {
         for (int kv_head = 0; kv_head < p_.num_kv_heads; ++kv_head) {
           ws.kreader.init();
           for (int row0 = 0; row0 < q_len * G; row0 += kMaxRows) {
-            const Task task{span.seq, kv_head, row0, std::min(kMaxRows, q_len * G - row0),
+            const Task task{span.seq, kv_head, 1, row0, std::min(kMaxRows, q_len * G - row0),
                             span.pos_begin, span.pos_end, 0};
-            set_dot(ws, bf16_dot_);  // scores as attend() computes them (AMX aside)
+            set_dot(ws, bf16_dot_);  // scores as attend_tile() computes them (AMX aside)
             load_queries(task, ws);
             for (int r = 0; r < task.num_rows; ++r) {
               lse2[r] = lse[int64_t(ws.rows[r].token) * p_.num_heads + ws.rows[r].head] * kLog2e;
@@ -1003,8 +1114,13 @@ class CpuPagedAttention {
             const int pos_end = std::min(span.pos_end, ws.rows[task.num_rows - 1].limit + 1);
             for (int start = span.pos_begin; start < pos_end; start += kTile) {
               const int n = std::min(kTile, pos_end - start);
-              locate_tile(task, ws, start, n, std::min(kTile, pos_end - start - kTile));
-              score_tile(task, ws, false);
+              locate_tile(task, ws, start, n);
+              // This head's K rows of the next tile (the scores need no V).
+              plan_prefetch(pf, span.seq, start + kTile,
+                            std::max(0, std::min(kTile, pos_end - start - kTile)), kv_head, 1,
+                            false, n);
+              score_tile(task, ws, pf);
+              pf.drain();
               for (int r = 0; r < task.num_rows; ++r) {
                 const float* w = ws.w.data() + r * kTile;
                 float* m = mass.data() + (start - span.pos_begin);
@@ -1026,13 +1142,19 @@ class CpuPagedAttention {
   const bool bf16_dot_;  // the dot path for every task the AMX path does not take
 };
 
-// The plan's work items as CPU tasks: one per (item, KV head).
+// The plan's work items as CPU tasks: one per item for all its KV heads (attend_item), or, where
+// there are fewer items than twice the threads, per item and range of heads.
 template <typename QT, typename CacheT>
 std::vector<Task> plan_tasks(const PagedAttentionParams<QT, CacheT>& p, const PlanView& plan) {
   const int G = p.group_size();
   const int P = plan.partition_size();
+  const int64_t wanted = 2 * int64_t(at::get_num_threads());
+  const int64_t ranges = std::clamp<int64_t>((wanted + plan.num_items() - 1) /
+                                                 std::max(plan.num_items(), 1),
+                                             1, p.num_kv_heads);
+  const int heads_per_task = int((p.num_kv_heads + ranges - 1) / ranges);
   std::vector<Task> tasks;
-  tasks.reserve(size_t(plan.num_items()) * p.num_kv_heads);
+  tasks.reserve(size_t(plan.num_items()) * ranges);
   for (int i = 0; i < plan.num_items(); ++i) {
     const PlanItem item = plan.item(i);
     const int q_len = p.cu_seqlens_q[item.seq + 1] - p.cu_seqlens_q[item.seq];
@@ -1040,9 +1162,10 @@ std::vector<Task> plan_tasks(const PagedAttentionParams<QT, CacheT>& p, const Pl
     const bool split = plan.parts(item.seq) > 1;
     const int begin = split ? item.partition * P : 0;
     const int end = split ? std::min(seq_len, begin + P) : seq_len;
-    for (int kv_head = 0; kv_head < p.num_kv_heads; ++kv_head) {
-      tasks.push_back(Task{item.seq, kv_head, item.row0, std::min(kMaxRows, q_len * G - item.row0),
-                           begin, end, item.partition});
+    for (int kv_head = 0; kv_head < p.num_kv_heads; kv_head += heads_per_task) {
+      tasks.push_back(Task{item.seq, kv_head, std::min(heads_per_task, p.num_kv_heads - kv_head),
+                           item.row0, std::min(kMaxRows, q_len * G - item.row0), begin, end,
+                           item.partition});
     }
   }
   return tasks;
@@ -1065,14 +1188,22 @@ void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, con
   }
 
   const std::vector<Task> tasks = plan_tasks(p, plan);
+  using Kernel = CpuPagedAttention<QT, CacheT, F>;
   at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    typename CpuPagedAttention<QT, CacheT, F>::Workspace ws(p.head_size);
+    std::vector<typename Kernel::Workspace> heads;
+    for (int h = 0; h < tasks[begin].num_heads; ++h) heads.emplace_back(p.head_size);
+    TilePrefetch pf;
     for (int64_t i = begin; i < end; ++i) {
-      kernel.attend(tasks[i], ws);
-      if (plan.parts(tasks[i].seq) > 1) {
-        kernel.write_partial(tasks[i], ws, plan);
-      } else {
-        kernel.write_final(tasks[i], ws);
+      const Task& task = tasks[i];
+      while (int(heads.size()) < task.num_heads) heads.emplace_back(p.head_size);
+      kernel.attend_item(task, i + 1 < end ? &tasks[i + 1] : nullptr, i > begin, heads, pf);
+      for (int h = 0; h < task.num_heads; ++h) {
+        const Task head = Kernel::with_head(task, task.kv_head + h);
+        if (plan.parts(task.seq) > 1) {
+          kernel.write_partial(head, heads[h], plan);
+        } else {
+          kernel.write_final(head, heads[h]);
+        }
       }
     }
   });
@@ -1103,7 +1234,7 @@ void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, con
     for (int seq = 0; seq < p.num_seqs; ++seq) {
       if (p.cu_seqlens_q[seq + 1] == p.cu_seqlens_q[seq]) continue;
       for (int pos = 0; pos < p.seq_lens[seq]; pos += kMassTile) {
-        mass_tasks.push_back(Task{seq, 0, 0, 0, pos, std::min(p.seq_lens[seq], pos + kMassTile), 0});
+        mass_tasks.push_back(Task{seq, 0, 0, 0, 0, pos, std::min(p.seq_lens[seq], pos + kMassTile), 0});
       }
     }
     kernel.mass_pass(p.lse, mass_tasks);
