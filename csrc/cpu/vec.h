@@ -351,6 +351,11 @@ struct CacheReader {
       const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       first = _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
       second = _mm256_castsi256_ps(_mm256_and_si256(bits, _mm256_set1_epi32(int(0xFFFF0000u))));
+    } else if constexpr (F != CacheFormat::kNative) {
+      // The 16 codes' fp16 images in one register (load16), not two half-empty ones.
+      const vfloat v = load16(p);
+      first = v.lo;
+      second = v.hi;
     } else {
       first = load8(p);
       second = load8(p + 8);
