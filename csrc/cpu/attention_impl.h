@@ -468,12 +468,13 @@ struct TilePrefetch {
   int lines_per_step = 0;
 
   void clear() { num_runs = run = 0; }
-  // Adds the K bytes [k + off, + bytes), merged into the last range where contiguous.
+  // Adds the K bytes [k + off, + bytes) (bytes > 0), merged into the last range where they
+  // continue it: a block the table places lower in memory starts a range of its own.
   void add(int64_t off, int64_t bytes) {
     const uintptr_t lo = (uintptr_t(k) + uintptr_t(off)) & ~uintptr_t(63);
     const uintptr_t hi = uintptr_t(k) + uintptr_t(off + bytes);
-    if (num_runs > 0 && lo <= end[num_runs - 1]) {
-      end[num_runs - 1] = hi;
+    if (num_runs > 0 && lo >= begin[num_runs - 1] && lo <= end[num_runs - 1]) {
+      end[num_runs - 1] = std::max(end[num_runs - 1], hi);
     } else {
       begin[num_runs] = lo;
       end[num_runs++] = hi;
