@@ -942,7 +942,9 @@ class CpuPagedAttention {
 #if PAGEDSPEC_CPU_LEVEL == 2
     if (ws.dot) {  // V rows and weights as bf16 for the dot path's P.V (those past a row unread)
       if constexpr (kDotCapable) {
-        if (!ws.dot_fp8) ws.dot_vrows = bf16_rows(ws.vrows, 0, n, ws.vreader, ws.vimg, ws.vimg_rows);
+        if (!ws.dot_fp8) {
+          ws.dot_vrows = bf16_rows(ws.vrows, 0, n, ws.vreader, ws.vimg, ws.vimg_rows);
+        }
       }
       for (int r = 0; r < R; ++r) {
         for (int t = 0; t < kTile; t += 16) {
@@ -1197,8 +1199,7 @@ void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, con
   const std::vector<Task> tasks = plan_tasks(p, plan);
   using Kernel = CpuPagedAttention<QT, CacheT, F>;
   at::parallel_for(0, int64_t(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<typename Kernel::Workspace> heads;
-    for (int h = 0; h < tasks[begin].num_heads; ++h) heads.emplace_back(p.head_size);
+    std::vector<typename Kernel::Workspace> heads;  // one per KV head of the widest task so far
     TilePrefetch pf;
     for (int64_t i = begin; i < end; ++i) {
       const Task& task = tasks[i];
@@ -1241,7 +1242,8 @@ void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, con
     for (int seq = 0; seq < p.num_seqs; ++seq) {
       if (p.cu_seqlens_q[seq + 1] == p.cu_seqlens_q[seq]) continue;
       for (int pos = 0; pos < p.seq_lens[seq]; pos += kMassTile) {
-        mass_tasks.push_back(Task{seq, 0, 0, 0, 0, pos, std::min(p.seq_lens[seq], pos + kMassTile), 0});
+        mass_tasks.push_back(
+            Task{seq, 0, 0, 0, 0, pos, std::min(p.seq_lens[seq], pos + kMassTile), 0});
       }
     }
     kernel.mass_pass(p.lse, mass_tasks);
