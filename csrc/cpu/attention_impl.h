@@ -970,8 +970,8 @@ class CpuPagedAttention {
 
   // A head's rows after its last tile: accumulators back in dimension order.
   void end_head(const Task& task, Workspace& ws) const {
-    const int D = p_.head_size;
-    const int R = task.num_rows;
+    [[maybe_unused]] const int D = p_.head_size;  // unused at the baseline level
+    [[maybe_unused]] const int R = task.num_rows;
     if (ws.amx) amx_end();
 #if PAGEDSPEC_CPU_LEVEL == 1
     if constexpr (Reader::kEvenOddPairs) {  // V was read in even/odd order too
@@ -986,7 +986,6 @@ class CpuPagedAttention {
       }
     }
 #endif
-    (void)D, (void)R;
   }
 
   // acc[r] += sum over the positions row r sees of w[r][t] * v[t], for rows r0 .. r0 + nr - 1.
@@ -1120,7 +1119,7 @@ class CpuPagedAttention {
             for (int r = 0; r < task.num_rows; ++r) {
               lse2[r] = lse[int64_t(ws.rows[r].token) * p_.num_heads + ws.rows[r].head] * kLog2e;
             }
-            const int pos_end = std::min(span.pos_end, ws.rows[task.num_rows - 1].limit + 1);
+            const int pos_end = task_pos_end(task);
             for (int start = span.pos_begin; start < pos_end; start += kTile) {
               const int n = std::min(kTile, pos_end - start);
               locate_tile(task, ws, start, n);
