@@ -80,6 +80,72 @@ def test_amx_path_is_taken(gen, monkeypatch, cache_dtype):
     torch.testing.assert_close(with_amx.float(), without.float(), rtol=1.6e-2, atol=1.6e-2)
 
 
+@pytest.mark.parametrize("amx_decode", ["1", "0"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("q_lens, seq_lens, heads", [([1, 1, 1], [1, 31, 1100], (8, 8)),
+                                                     ([1, 1], [700, 33], (16, 4)),
+                                                     ([1, 1, 1], [17, 513, 96], (16, 2)),
+                                                     ([1, 5, 1], [300, 48, 95], (32, 8))])
+@pytest.mark.parametrize("head_size", [64, 96, 128, 256])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
+@pytest.mark.parametrize("block_size", [16, 8])
+def test_amx_decode_path_matches_reference(gen, monkeypatch, amx_decode, variant, q_lens,
+                                           seq_lens, heads, head_size, cache_dtype, block_size):
+    """Decode rows (one query token, groups of 1 to 8 heads) on bf16 or FP8 caches run the avx512
+    level's AMX decode path where the head size is a multiple of 32 up to 128 (weights rounded to
+    bf16 as on the AMX path), or with PAGEDSPEC_CPU_AMX_DECODE=0 the FMA path; 256 stays on the
+    FMA path either way, and the 5-token sequence on the AMX path for many rows. Block size 8
+    gathers each 16 keys of a tile multiply from two blocks; the lengths leave partial tiles."""
+    if amx_decode == "1" and not HAS_AMX:
+        pytest.skip("this CPU (or OS) has no AMX-BF16")
+    if "avx512" not in INFO["cpu_isa_supported"]:
+        pytest.skip("the AMX path is part of the avx512 level")
+    monkeypatch.setenv("PAGEDSPEC_CPU_AMX_DECODE", amx_decode)
+    _check_bf16_case(gen, variant, q_lens, seq_lens, heads, head_size, cache_dtype, block_size)
+
+
+def _decode_case(gen, cache_dtype, seq_lens=(700, 1100, 40)):
+    return Case(gen, seq_lens=list(seq_lens), q_lens=[1] * len(seq_lens), num_heads=32,
+                num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16,
+                cache_dtype=cache_dtype)
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="this CPU (or OS) has no AMX-BF16")
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
+def test_amx_decode_path_is_taken(gen, monkeypatch, cache_dtype):
+    """The AMX decode path rounds its weights to bf16 and the FMA path does not, so equal outputs
+    would mean the decode path never ran."""
+    case = _decode_case(gen, cache_dtype)
+    monkeypatch.setenv("PAGEDSPEC_CPU_AMX_DECODE", "1")
+    with_amx, lse_amx, _ = case.run(ops.paged_attention, lse=True)
+    monkeypatch.setenv("PAGEDSPEC_CPU_AMX_DECODE", "0")
+    without, lse_fma, _ = case.run(ops.paged_attention, lse=True)
+    assert not torch.equal(with_amx, without)
+    torch.testing.assert_close(with_amx.float(), without.float(), rtol=1.6e-2, atol=1.6e-2)
+    # The LSE comes from float32 sums of float32 weights on both paths.
+    torch.testing.assert_close(lse_amx, lse_fma, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.skipif(not HAS_AMX, reason="this CPU (or OS) has no AMX-BF16")
+@pytest.mark.parametrize("rising", [True, False])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_amx_decode_rescales_its_accumulators(gen, monkeypatch, rising, variant):
+    """Keys scaled by position so that logits climb by far more than the path's slack (8 in the
+    log2 domain) from tile to tile, or fall: the running max is raised and the accumulators in
+    tile layout rescaled many times, or never after the first tile."""
+    case = _decode_case(gen, torch.bfloat16, seq_lens=(1100, 300))
+    num_blocks, block_size = case.key_cache.shape[:2]
+    for seq, seq_len in enumerate([1100, 300]):
+        for b in range((seq_len + block_size - 1) // block_size):
+            pos = b * block_size + torch.arange(block_size, dtype=torch.float32)
+            factor = 1 + (pos if rising else seq_len - pos).clamp(min=0) / 24
+            block = int(case.block_tables[seq, b])
+            case.key_cache[block] = (case.key_cache[block].float() * factor[:, None, None]).to(
+                torch.bfloat16)
+    monkeypatch.setenv("PAGEDSPEC_CPU_AMX_DECODE", "1")
+    check_case(case, VARIANTS[variant])
+
+
 def _bf16_dot_supported() -> bool:
     # PAGEDSPEC_CPU_BF16_DOT=1 turns the path on wherever the CPU has the instruction.
     with pytest.MonkeyPatch.context() as mp:

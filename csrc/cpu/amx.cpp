@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -66,6 +67,11 @@ bool amx_available() {
   return (env == nullptr || std::string(env) != "0") && amx_supported();
 }
 
+bool amx_decode_available() {
+  const char* env = std::getenv("PAGEDSPEC_CPU_AMX_DECODE");
+  return (env == nullptr || std::string(env) != "0") && amx_available();
+}
+
 void amx_pack_queries(const uint16_t* const* q_rows, int num_rows, int D, uint16_t* vnni) {
   const int blocks = (num_rows + kAmxRows - 1) / kAmxRows;
   std::memset(vnni, 0, size_t(blocks) * kAmxRows * D * sizeof(uint16_t));
@@ -117,6 +123,33 @@ void transpose16(__m512 r[16]) {
 
 }  // namespace
 
+namespace {
+
+// Rows rows[0 .. count) (count <= 16, D bf16 each) as one tile operand of 16 rows: in place
+// when there are 16 equally spaced ones (one cache block), else copied into buf ([16, D], rows
+// past count zero). Returns the base; *stride_bytes gets the row stride.
+const uint16_t* tile_rows(const uint16_t* const* rows, int count, int D, uint16_t* buf,
+                          int64_t* stride_bytes) {
+  const int64_t stride = count > 1 ? rows[1] - rows[0] : D;
+  bool strided = count == 16 && stride > 0;
+  for (int t = 2; strided && t < 16; ++t) strided = rows[t] - rows[t - 1] == stride;
+  if (strided) {
+    *stride_bytes = stride * int64_t(sizeof(uint16_t));
+    return rows[0];
+  }
+  for (int t = 0; t < 16; ++t) {
+    if (t < count) {
+      std::memcpy(buf + t * D, rows[t], D * sizeof(uint16_t));
+    } else {
+      std::memset(buf + t * D, 0, D * sizeof(uint16_t));
+    }
+  }
+  *stride_bytes = D * int64_t(sizeof(uint16_t));
+  return buf;
+}
+
+}  // namespace
+
 void amx_scores(const uint16_t* vnni, int num_rows, const uint16_t* const* k, int num_positions,
                 int D, float scale, float* scores, int score_stride) {
   // Each half of the positions (one key tile of 16 rows) is read in place when its rows are
@@ -128,24 +161,8 @@ void amx_scores(const uint16_t* vnni, int num_rows, const uint16_t* const* k, in
   int64_t stride_bytes[2] = {0, 0};
   int count[2] = {0, 0};
   for (int h = 0; h < halves; ++h) {
-    const uint16_t* const* kh = k + h * kAmxPositions;
     count[h] = std::min(kAmxPositions, num_positions - h * kAmxPositions);
-    const int64_t stride = count[h] > 1 ? kh[1] - kh[0] : D;
-    bool strided = count[h] == kAmxPositions && stride > 0;
-    for (int t = 2; strided && t < kAmxPositions; ++t) strided = kh[t] - kh[t - 1] == stride;
-    base[h] = kh[0];
-    stride_bytes[h] = stride * int64_t(sizeof(uint16_t));
-    if (!strided) {
-      for (int t = 0; t < kAmxPositions; ++t) {
-        if (t < count[h]) {
-          std::memcpy(gathered[h] + t * D, kh[t], D * sizeof(uint16_t));
-        } else {
-          std::memset(gathered[h] + t * D, 0, D * sizeof(uint16_t));
-        }
-      }
-      base[h] = gathered[h];
-      stride_bytes[h] = D * int64_t(sizeof(uint16_t));
-    }
+    base[h] = tile_rows(k + h * kAmxPositions, count[h], D, gathered[h], &stride_bytes[h]);
   }
   // Accumulators: tmm0 / tmm1 for the positions of half 0 / 1 against row block 0, tmm2 / tmm3
   // against row block 1; keys tmm4 / tmm5; queries tmm6 / tmm7. Four independent chains of
@@ -257,6 +274,150 @@ void amx_accumulate(const float* w, int w_stride, int num_rows, const uint16_t* 
   }
 }
 
+
+// The decode path (cpu/amx.h: AmxDecode).
+namespace {
+
+TileConfig make_decode_config(int R) {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
+  for (int t = 0; t < 4; ++t) c.rows[t] = uint8_t(2 * R);  // accumulators
+  c.rows[4] = 16;                                          // scores: 16 positions x R rows
+  c.colsb[4] = uint16_t(4 * R);
+  c.rows[5] = 16;                                          // 16 key or value rows
+  c.rows[6] = 16;                                          // a query chunk: 16 pairs x R rows
+  c.colsb[6] = uint16_t(4 * R);
+  c.rows[7] = uint8_t(2 * R);                              // weights
+  return c;
+}
+
+}  // namespace
+
+void amx_decode_begin(AmxDecode& s, const uint16_t* const* q_rows, int R, int D) {
+  s.rows = R;
+  s.dims = D;
+  for (int c = 0; c < D / 32; ++c) {
+    for (int p = 0; p < 16; ++p) {
+      for (int n = 0; n < R; ++n) {
+        s.q[c][(p * R + n) * 2] = q_rows[n][32 * c + 2 * p];
+        s.q[c][(p * R + n) * 2 + 1] = q_rows[n][32 * c + 2 * p + 1];
+      }
+    }
+  }
+  std::memset(s.acc, 0, sizeof(s.acc));
+}
+
+void amx_decode_configure(int R) {
+  // Static, as amx_begin's: GCC treats _tile_loadconfig as reading only the palette byte of a
+  // local configuration and drops the stores of the rest (the next tile instruction faults).
+  static const auto configs = [] {
+    std::array<TileConfig, kAmxDecodeMaxRows + 1> c;
+    for (int r = 1; r <= kAmxDecodeMaxRows; ++r) c[r] = make_decode_config(r);
+    return c;
+  }();
+  _tile_loadconfig(&configs[R]);
+}
+
+void amx_decode_scores(AmxDecode& s, const uint16_t* const* k, int n) {
+  const int R = s.rows, D = s.dims;
+  for (int h = 0; h * 16 < n; ++h) {
+    int64_t stride = 0;
+    const uint16_t* base = tile_rows(k + h * 16, std::min(16, n - h * 16), D, s.gathered, &stride);
+    _tile_zero(4);
+    for (int c = 0; c < D / 32; ++c) {
+      _tile_loadd(5, base + 32 * c, stride);
+      _tile_loadd(6, s.q[c], 4 * R);
+      _tile_dpbf16ps(4, 5, 6);
+    }
+    _tile_stored(4, s.scores[h], 4 * R);
+  }
+}
+
+void amx_decode_read_scores(const AmxDecode& s, int n, float scale, float* w, int w_stride) {
+  const int R = s.rows;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  // Position t of row r is at [t * R + r].
+  const __m512i lanes = _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(R));
+  for (int h = 0; h * 16 < n; ++h) {
+    for (int r = 0; r < R; ++r) {
+      const __m512 row =
+          _mm512_i32gather_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(r)), s.scores[h], 4);
+      _mm512_storeu_ps(w + size_t(r) * w_stride + h * 16, _mm512_mul_ps(row, vscale));
+    }
+  }
+}
+
+void amx_decode_weights(AmxDecode& s, const float* w, int w_stride, int n) {
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
+  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
+  for (int h = 0; h * 16 < n; ++h) {
+    // Row 2 r: (bf16 weight, 0) per position; row 2 r + 1: (0, bf16 weight).
+    uint32_t* tile = s.weights[h];
+    for (int r = 0; r < s.rows; ++r) {
+      const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(w + size_t(r) * w_stride + h * 16));
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+      const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, half));
+      _mm512_store_si512(tile + (2 * r) * 16, _mm512_srli_epi32(rounded, 16));
+      _mm512_store_si512(tile + (2 * r + 1) * 16, _mm512_and_si512(rounded, high));
+    }
+  }
+}
+
+void amx_decode_accumulate(AmxDecode& s, const uint16_t* const* v, int n) {
+  const int D = s.dims;
+  _tile_loadd(0, s.acc[0], 64);
+  if (D > 32) _tile_loadd(1, s.acc[1], 64);
+  if (D > 64) _tile_loadd(2, s.acc[2], 64);
+  if (D > 96) _tile_loadd(3, s.acc[3], 64);
+  for (int h = 0; h * 16 < n; ++h) {
+    _tile_loadd(7, s.weights[h], 64);
+    int64_t stride = 0;
+    const uint16_t* base = tile_rows(v + h * 16, std::min(16, n - h * 16), D, s.gathered, &stride);
+    _tile_loadd(5, base, stride);
+    _tile_dpbf16ps(0, 7, 5);
+    if (D > 32) {
+      _tile_loadd(5, base + 32, stride);
+      _tile_dpbf16ps(1, 7, 5);
+    }
+    if (D > 64) {
+      _tile_loadd(5, base + 64, stride);
+      _tile_dpbf16ps(2, 7, 5);
+    }
+    if (D > 96) {
+      _tile_loadd(5, base + 96, stride);
+      _tile_dpbf16ps(3, 7, 5);
+    }
+  }
+  _tile_stored(0, s.acc[0], 64);
+  if (D > 32) _tile_stored(1, s.acc[1], 64);
+  if (D > 64) _tile_stored(2, s.acc[2], 64);
+  if (D > 96) _tile_stored(3, s.acc[3], 64);
+}
+
+void amx_decode_scale(AmxDecode& s, const float* factor) {
+  for (int c = 0; c < s.dims / 32; ++c) {
+    for (int m = 0; m < 2 * s.rows; ++m) {
+      float* row = s.acc[c] + m * 16;
+      _mm512_store_ps(row, _mm512_mul_ps(_mm512_load_ps(row), _mm512_set1_ps(factor[m / 2])));
+    }
+  }
+}
+
+void amx_decode_result(const AmxDecode& s, float* out) {
+  const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i hi = _mm512_add_epi32(lo, _mm512_set1_epi32(8));
+  for (int c = 0; c < s.dims / 32; ++c) {
+    for (int r = 0; r < s.rows; ++r) {
+      const __m512 even = _mm512_load_ps(s.acc[c] + (2 * r) * 16);
+      const __m512 odd = _mm512_load_ps(s.acc[c] + (2 * r + 1) * 16);
+      float* dst = out + size_t(r) * s.dims + 32 * c;
+      _mm512_storeu_ps(dst, _mm512_permutex2var_ps(even, lo, odd));
+      _mm512_storeu_ps(dst + 16, _mm512_permutex2var_ps(even, hi, odd));
+    }
+  }
+}
+
 }  // namespace pagedspec
 
 #else  // not x86-64: no AMX; the kernels never call the tile functions (amx_available() is false)
@@ -266,6 +427,7 @@ void amx_accumulate(const float* w, int w_stride, int num_rows, const uint16_t* 
 namespace pagedspec {
 bool amx_supported() { return false; }
 bool amx_available() { return false; }
+bool amx_decode_available() { return false; }
 void amx_pack_queries(const uint16_t* const*, int, int, uint16_t*) { std::abort(); }
 void amx_begin() { std::abort(); }
 void amx_end() { std::abort(); }
@@ -273,6 +435,14 @@ void amx_scores(const uint16_t*, int, const uint16_t* const*, int, int, float, f
   std::abort();
 }
 void amx_accumulate(const float*, int, int, const uint16_t* const*, int, float*) { std::abort(); }
+void amx_decode_begin(AmxDecode&, const uint16_t* const*, int, int) { std::abort(); }
+void amx_decode_configure(int) { std::abort(); }
+void amx_decode_scores(AmxDecode&, const uint16_t* const*, int) { std::abort(); }
+void amx_decode_read_scores(const AmxDecode&, int, float, float*, int) { std::abort(); }
+void amx_decode_weights(AmxDecode&, const float*, int, int) { std::abort(); }
+void amx_decode_accumulate(AmxDecode&, const uint16_t* const*, int) { std::abort(); }
+void amx_decode_scale(AmxDecode&, const float*) { std::abort(); }
+void amx_decode_result(const AmxDecode&, float*) { std::abort(); }
 }  // namespace pagedspec
 
 #endif

@@ -20,6 +20,9 @@ bool amx_supported();
 // Whether the AMX path may run now: amx_supported() and PAGEDSPEC_CPU_AMX is not 0 (read at every
 // call, so tests can compare both paths; the AMX path also needs the avx512 level).
 bool amx_available();
+// Whether the decode path (AmxDecode below) may run now: amx_available() and
+// PAGEDSPEC_CPU_AMX_DECODE is not 0 (read at every call, for tests and comparisons).
+bool amx_decode_available();
 
 // Query rows in the layout the tile multiply reads (VNNI pairs): for row block b, dimension pair
 // p and row n, (q[16 b + n][2 p], q[16 b + n][2 p + 1]) at vnni[((b * D / 2 + p) * 16 + n) * 2].
@@ -50,5 +53,62 @@ void amx_scores(const uint16_t* vnni, int num_rows, const uint16_t* const* k, in
 constexpr int kAmxTilePositions = 32;  // value rows per tile multiply (64 bytes of bf16 weights)
 void amx_accumulate(const float* w, int w_stride, int num_rows, const uint16_t* const* v, int D,
                     float* acc);
+
+// The decode path: a few query rows per KV head (the heads of a GQA group, one query token),
+// where amx_scores / amx_accumulate's 16-row tiles waste most of the tile unit and their
+// accumulator round trip per tile (store, reload at once: about 27 ns a tile) made them slower
+// than FMAs at 4 rows.
+// - P.V needs no repacking of V: a value tile is 16 positions x 32 dimensions read in place from
+//   the cache, and the weight tile holds each row twice, (P, 0) and (0, P) per position pair of
+//   bf16 slots, so that accumulator row 2 r + j gets the dimensions of parity j (half the
+//   multiplies are by zero; the tile unit has room to spare, the cache reads do not).
+// - The caller runs a tile's heads in three passes (all heads' scores, then their softmax and
+//   weights, then their P.V), so that what vector code writes is loaded into tiles, and what
+//   tiles store is read by vector code, a few heads later: the tile unit waits for stores that
+//   have not reached the cache, and a head-after-head order stalled on every hand-over.
+// - The accumulators stay in memory between tiles (AmxDecode::acc), where a softmax rescale is
+//   a vector multiply.
+// Tiles (amx_decode_configure): tmm0-3 accumulators (one per 32 dimensions: 2 R rows x 16
+// float32), tmm4 scores (16 positions x R rows of float32), tmm5 keys or values (16 positions x
+// 32 bf16), tmm6 a query chunk (16 dimension pairs x R rows x 2 bf16), tmm7 weights (2 R rows x
+// 16 positions x 2 bf16).
+constexpr int kAmxDecodeMaxRows = 8;     // query rows (2 accumulator rows each)
+constexpr int kAmxDecodeMaxDims = 128;   // head size: 4 accumulator tiles of 32 dimensions
+constexpr int kAmxDecodePositions = 32;  // positions per call (two tile multiplies of 16)
+
+// One head's decode rows (about 13 KB).
+struct alignas(64) AmxDecode {
+  int rows = 0, dims = 0;
+  // Queries in VNNI pairs per chunk of 32 dimensions: q[c][(p * rows + n) * 2 + i] =
+  // q_row[n][32 c + 2 p + i].
+  alignas(64) uint16_t q[kAmxDecodeMaxDims / 32][16 * kAmxDecodeMaxRows * 2];
+  alignas(64) float scores[2][16 * kAmxDecodeMaxRows];      // per 16 positions: [position][row]
+  alignas(64) uint32_t weights[2][2 * kAmxDecodeMaxRows * 16];  // per 16: [2 r + j][position]
+  alignas(64) uint16_t gathered[16 * kAmxDecodeMaxDims];    // rows not equally spaced, zero padded
+  // The accumulator tiles: acc[c][(2 r + j) * 16 + n] is dimension 32 c + 2 n + j of row r.
+  alignas(64) float acc[kAmxDecodeMaxDims / 32][2 * kAmxDecodeMaxRows * 16];
+};
+
+// Packs the rows (R <= kAmxDecodeMaxRows rows of D bf16, D a multiple of 32 and at most
+// kAmxDecodeMaxDims) and zeroes the accumulators.
+void amx_decode_begin(AmxDecode& s, const uint16_t* const* q_rows, int R, int D);
+// Configures the calling thread's tiles for R rows (released by amx_end).
+void amx_decode_configure(int R);
+// Scores q[r] . k[t] for t < n <= kAmxDecodePositions (float32 accumulation of exact bf16
+// products), kept in s; k[t]: key rows, read in place where each 16 are equally spaced.
+void amx_decode_scores(AmxDecode& s, const uint16_t* const* k, int n);
+// w[r * w_stride + t] = scale * those scores, for t < n rounded up to 16 (entries from n on hold
+// the score of a zero key; callers mask them).
+void amx_decode_read_scores(const AmxDecode& s, int n, float scale, float* w, int w_stride);
+// The weight tiles from w[r * w_stride + t], t < n rounded up to 16, rounded to bf16 (round to
+// nearest even); the entries from n on must be 0.
+void amx_decode_weights(AmxDecode& s, const float* w, int w_stride, int n);
+// Accumulators += those weights . v[t] over t < n <= kAmxDecodePositions (slots from n to the
+// next multiple of 16 meet zero rows, never the cache).
+void amx_decode_accumulate(AmxDecode& s, const uint16_t* const* v, int n);
+// Accumulator row r *= factor[r] (an online-softmax rescale).
+void amx_decode_scale(AmxDecode& s, const float* factor);
+// out[r * D + d] = the accumulated sum of row r, dimension d.
+void amx_decode_result(const AmxDecode& s, float* out);
 
 }  // namespace pagedspec

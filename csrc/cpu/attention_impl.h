@@ -15,7 +15,8 @@
 // token cannot reach it.
 // The next tile's cache tokens are prefetched, in address order, while this tile is scored.
 // On the AVX-512 level, bf16 tasks may instead score and accumulate with AMX tile multiplies
-// (cpu/amx.h, many rows, AMX machines) or with AVX512-BF16 dot products (cpu_bf16_dot()).
+// (cpu/amx.h: many rows, or decode's few rows with accumulators kept in tile layout, AMX
+// machines) or with AVX512-BF16 dot products (cpu_bf16_dot()).
 //
 // The work comes from a split-KV plan (attention_plan.h): one task per (item, KV head); items of
 // split sequences write a partial (acc, max, sum), merged afterwards with merge_softmax.
@@ -34,6 +35,11 @@ constexpr int kMassTile = 256; // positions per attn_mass task
 // tile multiply computes 16 rows whatever the count, so below this the FMA path is as fast.
 constexpr int kAmxMinRows = 8;
 static_assert(kDefaultTile == kAmxTilePositions, "amx_accumulate takes one whole tile of values");
+static_assert(kDefaultTile == kAmxDecodePositions, "the AMX decode calls take one tile");
+// The AMX decode path raises a row's running max only when a tile's scores exceed it by more
+// than this (log2 domain): weights up to 2^8 are exact enough in bf16 and float32 sums, and the
+// accumulators, which live in tile layout, are rescaled about once per task instead of per tile.
+constexpr float kAmxDecodeMaxSlack = 8.0f;
 // Query rows per score and value block. Each accumulator is one FMA latency chain, and two FMA
 // pipes of 5-cycle latency (Zen 2) need 10 chains to stay busy: AVX2 takes 5 rows (5 x 2 score
 // accumulators beside 4 key vectors and a query vector, 5 x 2 value accumulators), so a
@@ -565,6 +571,8 @@ class CpuPagedAttention {
     std::vector<float> q, acc, w;
     std::vector<uint16_t> q_vnni;  // the AMX path's query rows (amx_pack_queries), if taken
     bool amx = false;              // this task's scores come from amx_scores
+    std::unique_ptr<AmxDecode> decode;  // the AMX decode path's state (attend_item_amx_decode)
+    bool amx_decode = false;            // this task runs that path
     // The dot path's query rows ([rows, D] bf16 bits) and weights ([rows, kTile] bf16 bits).
     std::vector<uint16_t> q_bf16, w_bf16;
     bool dot = false;              // this task runs the bf16 dot-product path
@@ -622,6 +630,23 @@ class CpuPagedAttention {
     if (F != CacheFormat::kNative && !ws.dot_fp8) {
       ws.kimg.resize(size_t(kTile) * p_.head_size);
       ws.vimg.resize(size_t(kTile) * p_.head_size);
+    }
+  }
+
+  // The AMX decode path (attend_item_amx_decode) for a plan item: bf16 queries on a bf16 or FP8
+  // cache, rows of one query token (so every row sees the same positions and a tile multiply
+  // never mixes a row with a position it may not see), few enough rows and a head size the
+  // accumulator tiles hold.
+  bool use_amx_decode(const Task& item) const {
+    if constexpr (kAmxCapable) {
+      const int G = p_.group_size();
+      return item.num_rows <= kAmxDecodeMaxRows &&
+             item.row_begin / G == (item.row_begin + item.num_rows - 1) / G &&
+             p_.head_size % 32 == 0 && p_.head_size <= kAmxDecodeMaxDims &&
+             amx_decode_available() && (F == CacheFormat::kNative || cpu_avx512_vbmi());
+    } else {
+      (void)item;
+      return false;
     }
   }
 
@@ -740,7 +765,7 @@ class CpuPagedAttention {
     for (int r = 0; r < task.num_rows; ++r) {
       const RowInfo info = row_info(task.seq, task.kv_head, task.row_begin + r);
       ws.rows[r] = info;
-      if (ws.amx) continue;
+      if (ws.amx || ws.amx_decode) continue;
       const QT* src = query_row(info);
       if (ws.dot) {
         uint16_t* dst = ws.q_bf16.data() + size_t(r) * D;
@@ -874,6 +899,10 @@ class CpuPagedAttention {
   // `first_prefetched` says whether the previous item prefetched this one's.
   void attend_item(const Task& item, const Task* next, bool first_prefetched,
                    std::vector<Workspace>& heads, TilePrefetch& pf) const {
+    if (use_amx_decode(item)) {
+      attend_item_amx_decode(item, next, first_prefetched, heads, pf);
+      return;
+    }
     const int HK = item.num_heads;
     for (int h = 0; h < HK; ++h) begin_head(with_head(item, item.kv_head + h), heads[h]);
     const int pos_end = task_pos_end(item);
@@ -898,6 +927,101 @@ class CpuPagedAttention {
       pf.drain();
     }
     for (int h = 0; h < HK; ++h) end_head(with_head(item, item.kv_head + h), heads[h]);
+  }
+
+  // attend_item through the AMX decode path (cpu/amx.h: AmxDecode). Per tile, three passes over
+  // the heads: scores by tile multiplies, then the online softmax and the weight tiles, then
+  // P.V, so that each hand-over between tiles and vector code has a few heads' work in between.
+  // The accumulators stay in tile layout from the first tile to the last; a row's running max
+  // is raised only past kAmxDecodeMaxSlack (SoftmaxState's max is then the reference of the
+  // sum and accumulator, below the largest logit by at most that; every consumer only needs a
+  // common reference).
+  void attend_item_amx_decode(const Task& item, const Task* next, bool first_prefetched,
+                              std::vector<Workspace>& heads, TilePrefetch& pf) const {
+    if constexpr (kAmxCapable) {
+      const int HK = item.num_heads;
+      const int R = item.num_rows;
+      const int D = p_.head_size;
+      for (int h = 0; h < HK; ++h) {
+        Workspace& ws = heads[h];
+        ws.amx = ws.dot = ws.dot_fp8 = false;
+        ws.amx_decode = true;
+        load_queries(with_head(item, item.kv_head + h), ws);
+        const uint16_t* rows[kAmxDecodeMaxRows];
+        for (int r = 0; r < R; ++r) {
+          rows[r] = reinterpret_cast<const uint16_t*>(query_row(ws.rows[r]));
+        }
+        if (ws.decode == nullptr) ws.decode = std::make_unique<AmxDecode>();
+        amx_decode_begin(*ws.decode, rows, R, D);
+        if constexpr (F != CacheFormat::kNative) {
+          ws.kimg.resize(size_t(kTile) * D);
+          ws.vimg.resize(size_t(kTile) * D);
+        }
+        ws.kreader.init();
+        ws.vreader.init();
+        std::fill(ws.state.begin(), ws.state.begin() + R, SoftmaxState::empty());
+      }
+      amx_decode_configure(R);
+      const int pos_end = task_pos_end(item);
+      if (!first_prefetched) {
+        plan_first_tile(pf, item, 0);
+        pf.drain();
+      }
+      for (int start = item.pos_begin; start < pos_end; start += kTile) {
+        const int n = std::min(kTile, pos_end - start);
+        const int steps = 3 * HK;  // one pf.step() per head and pass
+        if (start + kTile < pos_end) {
+          plan_prefetch(pf, item.seq, start + kTile, std::min(kTile, pos_end - start - kTile),
+                        item.kv_head, HK, true, steps);
+        } else if (next != nullptr) {
+          plan_first_tile(pf, *next, steps);
+        } else {
+          pf.clear();
+        }
+        for (int h = 0; h < HK; ++h) {
+          Workspace& ws = heads[h];
+          locate_tile(with_head(item, item.kv_head + h), ws, start, n);
+          pf.step();
+          amx_decode_scores(*ws.decode,
+                            bf16_rows(ws.krows, 0, n, ws.kreader, ws.kimg, ws.kimg_rows), n);
+        }
+        for (int h = 0; h < HK; ++h) {
+          Workspace& ws = heads[h];
+          pf.step();
+          amx_decode_read_scores(*ws.decode, n, score_scale(item.kv_head + h), ws.w.data(),
+                                 kTile);
+          float factor[kAmxDecodeMaxRows];
+          bool rescale = false;
+          for (int r = 0; r < R; ++r) {
+            SoftmaxState& st = ws.state[r];
+            float* w = ws.w.data() + r * kTile;
+            const float tile_max = max_weights(w, n);
+            factor[r] = 1.0f;
+            if (tile_max > st.max + kAmxDecodeMaxSlack || st.is_empty()) {
+              factor[r] = st.raise_max(tile_max);
+              rescale = true;
+            }
+            st.sum += exp2_weights(w, n, st.max);
+          }
+          if (rescale) amx_decode_scale(*ws.decode, factor);
+          amx_decode_weights(*ws.decode, ws.w.data(), kTile, n);
+        }
+        for (int h = 0; h < HK; ++h) {
+          Workspace& ws = heads[h];
+          pf.step();
+          amx_decode_accumulate(*ws.decode,
+                                bf16_rows(ws.vrows, 0, n, ws.vreader, ws.vimg, ws.vimg_rows), n);
+        }
+        pf.drain();
+      }
+      amx_end();
+      for (int h = 0; h < HK; ++h) {
+        amx_decode_result(*heads[h].decode, heads[h].acc.data());
+        heads[h].amx_decode = false;
+      }
+    } else {
+      (void)item, (void)next, (void)first_prefetched, (void)heads, (void)pf;
+    }
   }
 
   // The task for one of its heads.
