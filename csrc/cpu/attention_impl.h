@@ -729,6 +729,25 @@ class CpuPagedAttention {
     plan_prefetch(pf, task.seq, task.pos_begin, n, task.kv_head, task.num_heads, true, steps);
   }
 
+  // The item's first tile, all of it now (the previous item did not prefetch it).
+  void prefetch_first_tile(TilePrefetch& pf, const Task& item) const {
+    plan_first_tile(pf, item, 0);
+    pf.drain();
+  }
+  // Sets pf to what follows the item's tile at `start`: its next tile, else the first tile of
+  // `next`, the item this thread runs next (if any), paced over `steps` calls of pf.step().
+  void plan_after_tile(TilePrefetch& pf, const Task& item, const Task* next, int start,
+                       int pos_end, int steps) const {
+    if (start + kTile < pos_end) {
+      plan_prefetch(pf, item.seq, start + kTile, std::min(kTile, pos_end - start - kTile),
+                    item.kv_head, item.num_heads, true, steps);
+    } else if (next != nullptr) {
+      plan_first_tile(pf, *next, steps);
+    } else {
+      pf.clear();
+    }
+  }
+
   // score_tile through amx_scores, the whole tile in one call, with the same prefetches.
   void score_tile_amx(const Task& task, Workspace& ws, int n, TilePrefetch& pf) const {
     const int D = p_.head_size;
@@ -906,21 +925,10 @@ class CpuPagedAttention {
     const int HK = item.num_heads;
     for (int h = 0; h < HK; ++h) begin_head(with_head(item, item.kv_head + h), heads[h]);
     const int pos_end = task_pos_end(item);
-    if (!first_prefetched) {
-      plan_first_tile(pf, item, 0);
-      pf.drain();
-    }
+    if (!first_prefetched) prefetch_first_tile(pf, item);
     for (int start = item.pos_begin; start < pos_end; start += kTile) {
       const int n = std::min(kTile, pos_end - start);
-      const int steps = n * HK;  // score_tile's pf.step() calls, about
-      if (start + kTile < pos_end) {
-        plan_prefetch(pf, item.seq, start + kTile, std::min(kTile, pos_end - start - kTile),
-                      item.kv_head, HK, true, steps);
-      } else if (next != nullptr) {
-        plan_first_tile(pf, *next, steps);
-      } else {
-        pf.clear();
-      }
+      plan_after_tile(pf, item, next, start, pos_end, n * HK);  // score_tile's steps, about
       for (int h = 0; h < HK; ++h) {
         attend_tile(with_head(item, item.kv_head + h), heads[h], start, n, pf);
       }
@@ -963,21 +971,10 @@ class CpuPagedAttention {
       }
       amx_decode_configure(R);
       const int pos_end = task_pos_end(item);
-      if (!first_prefetched) {
-        plan_first_tile(pf, item, 0);
-        pf.drain();
-      }
+      if (!first_prefetched) prefetch_first_tile(pf, item);
       for (int start = item.pos_begin; start < pos_end; start += kTile) {
         const int n = std::min(kTile, pos_end - start);
-        const int steps = 3 * HK;  // one pf.step() per head and pass
-        if (start + kTile < pos_end) {
-          plan_prefetch(pf, item.seq, start + kTile, std::min(kTile, pos_end - start - kTile),
-                        item.kv_head, HK, true, steps);
-        } else if (next != nullptr) {
-          plan_first_tile(pf, *next, steps);
-        } else {
-          pf.clear();
-        }
+        plan_after_tile(pf, item, next, start, pos_end, 3 * HK);  // a step per head and pass
         for (int h = 0; h < HK; ++h) {
           Workspace& ws = heads[h];
           locate_tile(with_head(item, item.kv_head + h), ws, start, n);
