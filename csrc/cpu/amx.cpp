@@ -62,14 +62,19 @@ bool amx_supported() {
   return supported;
 }
 
-bool amx_available() {
-  const char* env = std::getenv("PAGEDSPEC_CPU_AMX");  // read at every call, as PAGEDSPEC_CPU_ISA
-  return (env == nullptr || std::string(env) != "0") && amx_supported();
+namespace {
+// Whether the environment variable `name` is unset or not "0" (read at every call, as
+// PAGEDSPEC_CPU_ISA).
+bool not_turned_off(const char* name) {
+  const char* env = std::getenv(name);
+  return env == nullptr || std::string(env) != "0";
 }
+}  // namespace
+
+bool amx_available() { return not_turned_off("PAGEDSPEC_CPU_AMX") && amx_supported(); }
 
 bool amx_decode_available() {
-  const char* env = std::getenv("PAGEDSPEC_CPU_AMX_DECODE");
-  return (env == nullptr || std::string(env) != "0") && amx_available();
+  return not_turned_off("PAGEDSPEC_CPU_AMX_DECODE") && amx_available();
 }
 
 void amx_pack_queries(const uint16_t* const* q_rows, int num_rows, int D, uint16_t* vnni) {
@@ -121,9 +126,13 @@ void transpose16(__m512 r[16]) {
   }
 }
 
-}  // namespace
-
-namespace {
+// The bits of 16 finite float32 values rounded to bf16 (round to nearest even), still in the
+// high half of each 32-bit lane.
+__m512i round_to_bf16_bits(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+}
 
 // Rows rows[0 .. count) (count <= 16, D bf16 each) as one tile operand of 16 rows: in place
 // when there are 16 equally spaced ones (one cache block), else copied into buf ([16, D], rows
@@ -218,9 +227,7 @@ void amx_accumulate(const float* w, int w_stride, int num_rows, const uint16_t* 
   alignas(64) uint16_t weights[2][kAmxRows * kAmxTilePositions] = {};
   for (int r = 0; r < num_rows; ++r) {
     for (int half = 0; half < kAmxTilePositions; half += 16) {
-      const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(w + size_t(r) * w_stride + half));
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+      const __m512i rounded = round_to_bf16_bits(_mm512_loadu_ps(w + size_t(r) * w_stride + half));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(&weights[r / kAmxRows][(r % kAmxRows) *
                                                                   kAmxTilePositions + half]),
                           _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
@@ -273,7 +280,6 @@ void amx_accumulate(const float* w, int w_stride, int num_rows, const uint16_t* 
     }
   }
 }
-
 
 // The decode path (cpu/amx.h: AmxDecode).
 namespace {
@@ -349,15 +355,12 @@ void amx_decode_read_scores(const AmxDecode& s, int n, float scale, float* w, in
 }
 
 void amx_decode_weights(AmxDecode& s, const float* w, int w_stride, int n) {
-  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
   const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
   for (int h = 0; h * 16 < n; ++h) {
     // Row 2 r: (bf16 weight, 0) per position; row 2 r + 1: (0, bf16 weight).
     uint32_t* tile = s.weights[h];
     for (int r = 0; r < s.rows; ++r) {
-      const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(w + size_t(r) * w_stride + h * 16));
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
-      const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, half));
+      const __m512i rounded = round_to_bf16_bits(_mm512_loadu_ps(w + size_t(r) * w_stride + h * 16));
       _mm512_store_si512(tile + (2 * r) * 16, _mm512_srli_epi32(rounded, 16));
       _mm512_store_si512(tile + (2 * r + 1) * 16, _mm512_and_si512(rounded, high));
     }

@@ -654,14 +654,20 @@ class CpuPagedAttention {
   // float32 scores, so the products are exact as on the FMA path) and configures the tiles.
   void begin_amx(Workspace& ws, int R) const {
     const uint16_t* rows[kMaxRows];
-    for (int r = 0; r < R; ++r) rows[r] = reinterpret_cast<const uint16_t*>(query_row(ws.rows[r]));
+    tile_operands(ws, R, rows);
     ws.q_vnni.resize(size_t(kMaxRows) * p_.head_size);
     amx_pack_queries(rows, R, p_.head_size, ws.q_vnni.data());
+    amx_begin();
+  }
+
+  // What both AMX paths read: the task's R query rows as bf16 bits (rows[r], ws.rows located),
+  // and on an FP8 cache room for a tile's K and V images (bf16_rows).
+  void tile_operands(Workspace& ws, int R, const uint16_t** rows) const {
+    for (int r = 0; r < R; ++r) rows[r] = reinterpret_cast<const uint16_t*>(query_row(ws.rows[r]));
     if constexpr (F != CacheFormat::kNative) {
       ws.kimg.resize(size_t(kTile) * p_.head_size);
       ws.vimg.resize(size_t(kTile) * p_.head_size);
     }
-    amx_begin();
   }
 
   // Rows [first, first + n) of `rows` as the bf16 rows the tile multiplies and the dot path
@@ -956,15 +962,9 @@ class CpuPagedAttention {
         ws.amx_decode = true;
         load_queries(with_head(item, item.kv_head + h), ws);
         const uint16_t* rows[kAmxDecodeMaxRows];
-        for (int r = 0; r < R; ++r) {
-          rows[r] = reinterpret_cast<const uint16_t*>(query_row(ws.rows[r]));
-        }
+        tile_operands(ws, R, rows);
         if (ws.decode == nullptr) ws.decode = std::make_unique<AmxDecode>();
         amx_decode_begin(*ws.decode, rows, R, D);
-        if constexpr (F != CacheFormat::kNative) {
-          ws.kimg.resize(size_t(kTile) * D);
-          ws.vimg.resize(size_t(kTile) * D);
-        }
         ws.kreader.init();
         ws.vreader.init();
         std::fill(ws.state.begin(), ws.state.begin() + R, SoftmaxState::empty());
