@@ -70,8 +70,9 @@ def test_amx_path_matches_reference(gen, monkeypatch, amx, variant, q_lens, seq_
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
 def test_amx_path_is_taken(gen, monkeypatch, cache_dtype):
     """The two paths round differently, so equal outputs would mean AMX never ran."""
+    # Head size 256: smaller ones take the AMX decode path (tested below).
     case = Case(gen, seq_lens=[700, 1100], q_lens=[5, 8], num_heads=32, num_kv_heads=8,
-                head_size=128, block_size=16, dtype=torch.bfloat16, cache_dtype=cache_dtype)
+                head_size=256, block_size=16, dtype=torch.bfloat16, cache_dtype=cache_dtype)
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "1")
     with_amx, _, _ = case.run(ops.paged_attention)
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")
@@ -85,17 +86,22 @@ def test_amx_path_is_taken(gen, monkeypatch, cache_dtype):
 @pytest.mark.parametrize("q_lens, seq_lens, heads", [([1, 1, 1], [1, 31, 1100], (8, 8)),
                                                      ([1, 1], [700, 33], (16, 4)),
                                                      ([1, 1, 1], [17, 513, 96], (16, 2)),
-                                                     ([1, 5, 1], [300, 48, 95], (32, 8))])
+                                                     ([1, 5, 1], [300, 48, 95], (32, 8)),
+                                                     ([5, 3, 8], [1100, 33, 8], (32, 8)),
+                                                     ([4, 2], [65, 300], (64, 8)),
+                                                     ([7, 2], [40, 97], (8, 8))])
 @pytest.mark.parametrize("head_size", [64, 96, 128, 256])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
 @pytest.mark.parametrize("block_size", [16, 8])
 def test_amx_decode_path_matches_reference(gen, monkeypatch, amx_decode, variant, q_lens,
                                            seq_lens, heads, head_size, cache_dtype, block_size):
-    """Decode rows (one query token, groups of 1 to 8 heads) on bf16 or FP8 caches run the avx512
-    level's AMX decode path where the head size is a multiple of 32 up to 128 (weights rounded to
-    bf16 as on the AMX path), or with PAGEDSPEC_CPU_AMX_DECODE=0 the FMA path; 256 stays on the
-    FMA path either way, and the 5-token sequence on the AMX path for many rows. Block size 8
-    gathers each 16 keys of a tile multiply from two blocks; the lengths leave partial tiles."""
+    """Decode and verification rows on bf16 or FP8 caches run the avx512 level's AMX decode path
+    where the head size is a multiple of 32 up to 128 (weights rounded to bf16 as on the AMX
+    path), or with PAGEDSPEC_CPU_AMX_DECODE=0 the FMA or many-row AMX path; 256 stays off it
+    either way. Groups of 1 to 8 heads and 1 to 8 query tokens give 1 to 32 rows a task: one to
+    four tile states, the last padded (20 rows: 7 + 7 + 6). Block size 8 gathers each 16 keys of
+    a tile multiply from two blocks; the lengths leave partial tiles, and tiles where some rows
+    of a state see no position at all (33 with 3 draft tokens, 65 with 4)."""
     if amx_decode == "1" and not HAS_AMX:
         pytest.skip("this CPU (or OS) has no AMX-BF16")
     if "avx512" not in INFO["cpu_isa_supported"]:
@@ -104,18 +110,20 @@ def test_amx_decode_path_matches_reference(gen, monkeypatch, amx_decode, variant
     _check_bf16_case(gen, variant, q_lens, seq_lens, heads, head_size, cache_dtype, block_size)
 
 
-def _decode_case(gen, cache_dtype, seq_lens=(700, 1100, 40)):
-    return Case(gen, seq_lens=list(seq_lens), q_lens=[1] * len(seq_lens), num_heads=32,
+def _decode_case(gen, cache_dtype, seq_lens=(700, 1100, 40), q_len=1):
+    return Case(gen, seq_lens=list(seq_lens), q_lens=[q_len] * len(seq_lens), num_heads=32,
                 num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16,
                 cache_dtype=cache_dtype)
 
 
 @pytest.mark.skipif(not HAS_AMX, reason="this CPU (or OS) has no AMX-BF16")
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
-def test_amx_decode_path_is_taken(gen, monkeypatch, cache_dtype):
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_amx_decode_path_is_taken(gen, monkeypatch, cache_dtype, q_len):
     """The AMX decode path rounds its weights to bf16 and the FMA path does not, so equal outputs
-    would mean the decode path never ran."""
-    case = _decode_case(gen, cache_dtype)
+    would mean the decode path never ran. With 5 query tokens (20 rows a KV head) the other side
+    is the many-row AMX path, which rounds the same weights to bf16 but sums in another order."""
+    case = _decode_case(gen, cache_dtype, q_len=q_len)
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX_DECODE", "1")
     with_amx, lse_amx, _ = case.run(ops.paged_attention, lse=True)
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX_DECODE", "0")
@@ -129,11 +137,12 @@ def test_amx_decode_path_is_taken(gen, monkeypatch, cache_dtype):
 @pytest.mark.skipif(not HAS_AMX, reason="this CPU (or OS) has no AMX-BF16")
 @pytest.mark.parametrize("rising", [True, False])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_amx_decode_rescales_its_accumulators(gen, monkeypatch, rising, variant):
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_amx_decode_rescales_its_accumulators(gen, monkeypatch, rising, variant, q_len):
     """Keys scaled by position so that logits climb by far more than the path's slack (8 in the
     log2 domain) from tile to tile, or fall: the running max is raised and the accumulators in
     tile layout rescaled many times, or never after the first tile."""
-    case = _decode_case(gen, torch.bfloat16, seq_lens=(1100, 300))
+    case = _decode_case(gen, torch.bfloat16, seq_lens=(1100, 300), q_len=q_len)
     num_blocks, block_size = case.key_cache.shape[:2]
     for seq, seq_len in enumerate([1100, 300]):
         for b in range((seq_len + block_size - 1) // block_size):

@@ -297,17 +297,25 @@ TileConfig make_decode_config(int R) {
   return c;
 }
 
+// Lane i: i * R, the index of entry i of row 0 in a [16][R] array of 32-bit entries (the
+// queries' pairs and the scores tile).
+__m512i row_major_slots(int R) {
+  return _mm512_mullo_epi32(
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(R));
+}
+
 }  // namespace
 
 void amx_decode_begin(AmxDecode& s, const uint16_t* const* q_rows, int R, int D) {
   s.rows = R;
   s.dims = D;
+  // Each row's 32 dimensions of a chunk are 16 pairs (32 bits each), scattered to pair p's slot
+  // of that row.
+  const __m512i slots = row_major_slots(R);
   for (int c = 0; c < D / 32; ++c) {
-    for (int p = 0; p < 16; ++p) {
-      for (int n = 0; n < R; ++n) {
-        s.q[c][(p * R + n) * 2] = q_rows[n][32 * c + 2 * p];
-        s.q[c][(p * R + n) * 2 + 1] = q_rows[n][32 * c + 2 * p + 1];
-      }
+    for (int n = 0; n < R; ++n) {
+      _mm512_i32scatter_epi32(s.q[c], _mm512_add_epi32(slots, _mm512_set1_epi32(n)),
+                              _mm512_loadu_si512(q_rows[n] + 32 * c), 4);
     }
   }
   std::memset(s.acc, 0, sizeof(s.acc));
@@ -343,8 +351,7 @@ void amx_decode_read_scores(const AmxDecode& s, int n, float scale, float* w, in
   const int R = s.rows;
   const __m512 vscale = _mm512_set1_ps(scale);
   // Position t of row r is at [t * R + r].
-  const __m512i lanes = _mm512_mullo_epi32(
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(R));
+  const __m512i lanes = row_major_slots(R);
   for (int h = 0; h * 16 < n; ++h) {
     for (int r = 0; r < R; ++r) {
       const __m512 row =
@@ -398,6 +405,27 @@ void amx_decode_accumulate(AmxDecode& s, const uint16_t* const* v, int n) {
   if (D > 96) _tile_stored(3, s.acc[3], 64);
 }
 
+void amx_decode_accumulate_row(AmxDecode& s, int r, const float* w, const uint16_t* const* v,
+                               int first, int end) {
+  const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
+  for (int t = first; t < end; ++t) {
+    // The weight as the tiles see it (bf16, round to nearest even), in every lane.
+    const __m512 weight = _mm512_castsi512_ps(
+        _mm512_and_si512(round_to_bf16_bits(_mm512_set1_ps(w[t])), high));
+    for (int c = 0; c < s.dims / 32; ++c) {
+      // 32-bit lane n holds dimensions 2 n (low half) and 2 n + 1 (high half): as bf16 they are
+      // float32 with 16 zero bits appended, the accumulator rows 2 r and 2 r + 1 of chunk c.
+      const __m512i pairs = _mm512_loadu_si512(v[t] + 32 * c);
+      const __m512 v_even = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 v_odd = _mm512_castsi512_ps(_mm512_and_si512(pairs, high));
+      float* even = s.acc[c] + (2 * r) * 16;
+      float* odd = even + 16;
+      _mm512_store_ps(even, _mm512_fmadd_ps(weight, v_even, _mm512_load_ps(even)));
+      _mm512_store_ps(odd, _mm512_fmadd_ps(weight, v_odd, _mm512_load_ps(odd)));
+    }
+  }
+}
+
 void amx_decode_scale(AmxDecode& s, const float* factor) {
   for (int c = 0; c < s.dims / 32; ++c) {
     for (int m = 0; m < 2 * s.rows; ++m) {
@@ -444,6 +472,9 @@ void amx_decode_scores(AmxDecode&, const uint16_t* const*, int) { std::abort(); 
 void amx_decode_read_scores(const AmxDecode&, int, float, float*, int) { std::abort(); }
 void amx_decode_weights(AmxDecode&, const float*, int, int) { std::abort(); }
 void amx_decode_accumulate(AmxDecode&, const uint16_t* const*, int) { std::abort(); }
+void amx_decode_accumulate_row(AmxDecode&, int, const float*, const uint16_t* const*, int, int) {
+  std::abort();
+}
 void amx_decode_scale(AmxDecode&, const float*) { std::abort(); }
 void amx_decode_result(const AmxDecode&, float*) { std::abort(); }
 }  // namespace pagedspec

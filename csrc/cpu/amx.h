@@ -54,10 +54,10 @@ constexpr int kAmxTilePositions = 32;  // value rows per tile multiply (64 bytes
 void amx_accumulate(const float* w, int w_stride, int num_rows, const uint16_t* const* v, int D,
                     float* acc);
 
-// The decode path: a few query rows per KV head (the heads of a GQA group, one query token),
-// where amx_scores / amx_accumulate's 16-row tiles waste most of the tile unit and their
-// accumulator round trip per tile (store, reload at once: about 27 ns a tile) made them slower
-// than FMAs at 4 rows.
+// The decode path: up to 8 query rows per state (a decode token's GQA group, or a chunk of a
+// verification task's rows), where amx_scores / amx_accumulate's 16-row tiles waste most of the
+// tile unit and their accumulator round trip per tile (store, reload at once: about 27 ns a
+// tile) made them slower than FMAs at 4 rows. A task with more rows keeps several states.
 // - P.V needs no repacking of V: a value tile is 16 positions x 32 dimensions read in place from
 //   the cache, and the weight tile holds each row twice, (P, 0) and (0, P) per position pair of
 //   bf16 slots, so that accumulator row 2 r + j gets the dimensions of parity j (half the
@@ -76,7 +76,7 @@ constexpr int kAmxDecodeMaxRows = 8;     // query rows (2 accumulator rows each)
 constexpr int kAmxDecodeMaxDims = 128;   // head size: 4 accumulator tiles of 32 dimensions
 constexpr int kAmxDecodePositions = 32;  // positions per call (two tile multiplies of 16)
 
-// One head's decode rows (about 13 KB).
+// Up to kAmxDecodeMaxRows rows of one head (about 13 KB).
 struct alignas(64) AmxDecode {
   int rows = 0, dims = 0;
   // Queries in VNNI pairs per chunk of 32 dimensions: q[c][(p * rows + n) * 2 + i] =
@@ -106,6 +106,11 @@ void amx_decode_weights(AmxDecode& s, const float* w, int w_stride, int n);
 // Accumulators += those weights . v[t] over t < n <= kAmxDecodePositions (slots from n to the
 // next multiple of 16 meet zero rows, never the cache).
 void amx_decode_accumulate(AmxDecode& s, const uint16_t* const* v, int n);
+// Accumulator row r += w[t] * v[t] over t in [first, end) with vector FMAs, the weights rounded
+// to bf16 as the tiles round them: for positions some rows of the state must not see, whose
+// values may not enter a tile multiply (a zero weight times an inf or NaN value is NaN).
+void amx_decode_accumulate_row(AmxDecode& s, int r, const float* w, const uint16_t* const* v,
+                               int first, int end);
 // Accumulator row r *= factor[r] (an online-softmax rescale).
 void amx_decode_scale(AmxDecode& s, const float* factor);
 // out[r * D + d] = the accumulated sum of row r, dimension d.

@@ -40,6 +40,8 @@ static_assert(kDefaultTile == kAmxDecodePositions, "the AMX decode calls take on
 // than this (log2 domain): weights up to 2^8 are exact enough in bf16 and float32 sums, and the
 // accumulators, which live in tile layout, are rescaled about once per task instead of per tile.
 constexpr float kAmxDecodeMaxSlack = 8.0f;
+// Tile states per task on the AMX decode path: every row of a task has one.
+constexpr int kAmxDecodeChunks = (kMaxRows + kAmxDecodeMaxRows - 1) / kAmxDecodeMaxRows;
 // Query rows per score and value block. Each accumulator is one FMA latency chain, and two FMA
 // pipes of 5-cycle latency (Zen 2) need 10 chains to stay busy: AVX2 takes 5 rows (5 x 2 score
 // accumulators beside 4 key vectors and a query vector, 5 x 2 value accumulators), so a
@@ -571,8 +573,9 @@ class CpuPagedAttention {
     std::vector<float> q, acc, w;
     std::vector<uint16_t> q_vnni;  // the AMX path's query rows (amx_pack_queries), if taken
     bool amx = false;              // this task's scores come from amx_scores
-    std::unique_ptr<AmxDecode> decode;  // the AMX decode path's state (attend_item_amx_decode)
-    bool amx_decode = false;            // this task runs that path
+    // The AMX decode path's states, kAmxDecodeChunks of them (attend_item_amx_decode).
+    std::unique_ptr<AmxDecode[]> decode;
+    bool amx_decode = false;  // this task runs that path
     // The dot path's query rows ([rows, D] bf16 bits) and weights ([rows, kTile] bf16 bits).
     std::vector<uint16_t> q_bf16, w_bf16;
     bool dot = false;              // this task runs the bf16 dot-product path
@@ -634,18 +637,14 @@ class CpuPagedAttention {
   }
 
   // The AMX decode path (attend_item_amx_decode) for a plan item: bf16 queries on a bf16 or FP8
-  // cache, rows of one query token (so every row sees the same positions and a tile multiply
-  // never mixes a row with a position it may not see), few enough rows and a head size the
-  // accumulator tiles hold.
-  bool use_amx_decode(const Task& item) const {
+  // cache and a head size the accumulator tiles hold. Decode and verification rows alike: the
+  // rows go to tile states of up to kAmxDecodeMaxRows each, and positions past some rows' causal
+  // limits take vector FMAs.
+  bool use_amx_decode() const {
     if constexpr (kAmxCapable) {
-      const int G = p_.group_size();
-      return item.num_rows <= kAmxDecodeMaxRows &&
-             item.row_begin / G == (item.row_begin + item.num_rows - 1) / G &&
-             p_.head_size % 32 == 0 && p_.head_size <= kAmxDecodeMaxDims &&
+      return p_.head_size % 32 == 0 && p_.head_size <= kAmxDecodeMaxDims &&
              amx_decode_available() && (F == CacheFormat::kNative || cpu_avx512_vbmi());
     } else {
-      (void)item;
       return false;
     }
   }
@@ -924,7 +923,7 @@ class CpuPagedAttention {
   // `first_prefetched` says whether the previous item prefetched this one's.
   void attend_item(const Task& item, const Task* next, bool first_prefetched,
                    std::vector<Workspace>& heads, TilePrefetch& pf) const {
-    if (use_amx_decode(item)) {
+    if (use_amx_decode()) {
       attend_item_amx_decode(item, next, first_prefetched, heads, pf);
       return;
     }
@@ -943,9 +942,10 @@ class CpuPagedAttention {
     for (int h = 0; h < HK; ++h) end_head(with_head(item, item.kv_head + h), heads[h]);
   }
 
-  // attend_item through the AMX decode path (cpu/amx.h: AmxDecode). Per tile, three passes over
-  // the heads: scores by tile multiplies, then the online softmax and the weight tiles, then
-  // P.V, so that each hand-over between tiles and vector code has a few heads' work in between.
+  // attend_item through the AMX decode path (cpu/amx.h: AmxDecode), each head's rows in chunks
+  // of up to kAmxDecodeMaxRows (one state each). Per tile, three passes over the heads: scores
+  // by tile multiplies, then the online softmax and the weight tiles, then P.V, so that each
+  // hand-over between tiles and vector code has a few heads' work in between.
   // The accumulators stay in tile layout from the first tile to the last; a row's running max
   // is raised only past kAmxDecodeMaxSlack (SoftmaxState's max is then the reference of the
   // sum and accumulator, below the largest logit by at most that; every consumer only needs a
@@ -956,64 +956,97 @@ class CpuPagedAttention {
       const int HK = item.num_heads;
       const int R = item.num_rows;
       const int D = p_.head_size;
+      // Rows in `chunks` tile states of chunk_rows each (the last padded with zero queries):
+      // chunk c holds rows [c * chunk_rows, + chunk_rows), so row r's weights stay at w[r].
+      const int chunks = (R + kAmxDecodeMaxRows - 1) / kAmxDecodeMaxRows;
+      const int chunk_rows = (R + chunks - 1) / chunks;
+      static const uint16_t kZeroRow[kAmxDecodeMaxDims] = {};
       for (int h = 0; h < HK; ++h) {
         Workspace& ws = heads[h];
         ws.amx = ws.dot = ws.dot_fp8 = false;
         ws.amx_decode = true;
         load_queries(with_head(item, item.kv_head + h), ws);
-        const uint16_t* rows[kAmxDecodeMaxRows];
+        const uint16_t* rows[kMaxRows];
         tile_operands(ws, R, rows);
-        if (ws.decode == nullptr) ws.decode = std::make_unique<AmxDecode>();
-        amx_decode_begin(*ws.decode, rows, R, D);
+        for (int r = R; r < chunks * chunk_rows; ++r) rows[r] = kZeroRow;
+        if (ws.decode == nullptr) ws.decode = std::make_unique<AmxDecode[]>(kAmxDecodeChunks);
+        for (int c = 0; c < chunks; ++c) {
+          amx_decode_begin(ws.decode[c], rows + c * chunk_rows, chunk_rows, D);
+        }
         ws.kreader.init();
         ws.vreader.init();
         std::fill(ws.state.begin(), ws.state.begin() + R, SoftmaxState::empty());
       }
-      amx_decode_configure(R);
+      amx_decode_configure(chunk_rows);
       const int pos_end = task_pos_end(item);
       if (!first_prefetched) prefetch_first_tile(pf, item);
       for (int start = item.pos_begin; start < pos_end; start += kTile) {
         const int n = std::min(kTile, pos_end - start);
+        const int n16 = (n + 15) & ~15;  // the weight tiles' positions
         plan_after_tile(pf, item, next, start, pos_end, 3 * HK);  // a step per head and pass
         for (int h = 0; h < HK; ++h) {
           Workspace& ws = heads[h];
           locate_tile(with_head(item, item.kv_head + h), ws, start, n);
           pf.step();
-          amx_decode_scores(*ws.decode,
-                            bf16_rows(ws.krows, 0, n, ws.kreader, ws.kimg, ws.kimg_rows), n);
+          const uint16_t* const* k = bf16_rows(ws.krows, 0, n, ws.kreader, ws.kimg, ws.kimg_rows);
+          for (int c = 0; c < chunks; ++c) amx_decode_scores(ws.decode[c], k, n);
         }
         for (int h = 0; h < HK; ++h) {
           Workspace& ws = heads[h];
           pf.step();
-          amx_decode_read_scores(*ws.decode, n, score_scale(item.kv_head + h), ws.w.data(),
-                                 kTile);
-          float factor[kAmxDecodeMaxRows];
-          bool rescale = false;
-          for (int r = 0; r < R; ++r) {
-            SoftmaxState& st = ws.state[r];
-            float* w = ws.w.data() + r * kTile;
-            const float tile_max = max_weights(w, n);
-            factor[r] = 1.0f;
-            if (tile_max > st.max + kAmxDecodeMaxSlack || st.is_empty()) {
-              factor[r] = st.raise_max(tile_max);
-              rescale = true;
-            }
-            st.sum += exp2_weights(w, n, st.max);
+          for (int c = 0; c < chunks; ++c) {
+            amx_decode_read_scores(ws.decode[c], n, score_scale(item.kv_head + h),
+                                   ws.w.data() + c * chunk_rows * kTile, kTile);
           }
-          if (rescale) amx_decode_scale(*ws.decode, factor);
-          amx_decode_weights(*ws.decode, ws.w.data(), kTile, n);
+          float factor[kMaxRows];
+          bool rescale[kAmxDecodeChunks] = {};
+          for (int r = 0; r < chunks * chunk_rows; ++r) {
+            factor[r] = 1.0f;
+            // A row sees the first `visible` positions; the rest weigh 0 (as do padding rows).
+            const int visible = r < R ? ws.visible[r] : 0;
+            float* w = ws.w.data() + r * kTile;
+            if (visible > 0) {
+              SoftmaxState& st = ws.state[r];
+              const float tile_max = max_weights(w, visible);
+              if (tile_max > st.max + kAmxDecodeMaxSlack || st.is_empty()) {
+                factor[r] = st.raise_max(tile_max);
+                rescale[r / chunk_rows] = true;
+              }
+              st.sum += exp2_weights(w, visible, st.max);  // zeroes up to a multiple of 16
+            }
+            for (int t = (visible + 15) & ~15; t < n16; ++t) w[t] = 0.0f;
+          }
+          for (int c = 0; c < chunks; ++c) {
+            if (rescale[c]) amx_decode_scale(ws.decode[c], factor + c * chunk_rows);
+            amx_decode_weights(ws.decode[c], ws.w.data() + c * chunk_rows * kTile, kTile, n);
+          }
         }
         for (int h = 0; h < HK; ++h) {
           Workspace& ws = heads[h];
           pf.step();
-          amx_decode_accumulate(*ws.decode,
-                                bf16_rows(ws.vrows, 0, n, ws.vreader, ws.vimg, ws.vimg_rows), n);
+          const uint16_t* const* v = bf16_rows(ws.vrows, 0, n, ws.vreader, ws.vimg, ws.vimg_rows);
+          for (int c = 0; c < chunks; ++c) {
+            // Tile multiplies over the positions all the chunk's rows see, vector FMAs past them
+            // (verification rows' last positions), so no row meets a value it may not see.
+            const int first = c * chunk_rows, last = std::min(R, first + chunk_rows);
+            int common = n;
+            for (int r = first; r < last; ++r) common = std::min(common, ws.visible[r]);
+            if (common > 0) amx_decode_accumulate(ws.decode[c], v, common);
+            for (int r = first; r < last; ++r) {
+              if (ws.visible[r] > common) {
+                amx_decode_accumulate_row(ws.decode[c], r - first, ws.w.data() + r * kTile, v,
+                                          common, ws.visible[r]);
+              }
+            }
+          }
         }
         pf.drain();
       }
       amx_end();
       for (int h = 0; h < HK; ++h) {
-        amx_decode_result(*heads[h].decode, heads[h].acc.data());
+        for (int c = 0; c < chunks; ++c) {
+          amx_decode_result(heads[h].decode[c], heads[h].acc.data() + size_t(c) * chunk_rows * D);
+        }
         heads[h].amx_decode = false;
       }
     } else {
