@@ -40,7 +40,7 @@ static_assert(kDefaultTile == kAmxDecodePositions, "the AMX decode calls take on
 // than this (log2 domain): weights up to 2^8 are exact enough in bf16 and float32 sums, and the
 // accumulators, which live in tile layout, are rescaled about once per task instead of per tile.
 constexpr float kAmxDecodeMaxSlack = 8.0f;
-// Tile states per task on the AMX decode path: every row of a task has one.
+// The AMX decode path's tile states per task: enough for a task's kMaxRows rows.
 constexpr int kAmxDecodeChunks = (kMaxRows + kAmxDecodeMaxRows - 1) / kAmxDecodeMaxRows;
 // Query rows per score and value block. Each accumulator is one FMA latency chain, and two FMA
 // pipes of 5-cycle latency (Zen 2) need 10 chains to stay busy: AVX2 takes 5 rows (5 x 2 score
