@@ -15,8 +15,9 @@
 // token cannot reach it.
 // The next tile's cache tokens are prefetched, in address order, while this tile is scored.
 // On the AVX-512 level, bf16 tasks may instead score and accumulate with AMX tile multiplies
-// (cpu/amx.h: many rows, or decode's few rows with accumulators kept in tile layout, AMX
-// machines) or with AVX512-BF16 dot products (cpu_bf16_dot()).
+// (cpu/amx.h, AMX machines: the decode path, accumulators kept in tile layout, for decode and
+// verification rows at head sizes up to 128; the many-row path above that) or with AVX512-BF16
+// dot products (cpu_bf16_dot()).
 //
 // The work comes from a split-KV plan (attention_plan.h): one task per (item, KV head); items of
 // split sequences write a partial (acc, max, sum), merged afterwards with merge_softmax.
