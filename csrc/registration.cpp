@@ -215,16 +215,22 @@ static PyObject* cpu_amx_in_use(PyObject*, PyObject*) {
   return PyBool_FromLong(pagedspec::amx_available() ? 1 : 0);
 }
 
-// _C.cpu_bf16_dot(): whether the avx512 level's attention on bf16 caches uses vdpbf16ps now.
+// _C.cpu_bf16_dot() / cpu_bf16_dot_fp8(): whether the avx512 level's attention on bf16 / FP8
+// caches uses vdpbf16ps now (for the tasks the AMX paths leave).
 static PyObject* cpu_bf16_dot_in_use(PyObject*, PyObject*) {
-  return PyBool_FromLong(pagedspec::cpu_bf16_dot() ? 1 : 0);
+  return PyBool_FromLong(pagedspec::cpu_bf16_dot(/*fp8_cache=*/false) ? 1 : 0);
+}
+static PyObject* cpu_bf16_dot_fp8_in_use(PyObject*, PyObject*) {
+  return PyBool_FromLong(pagedspec::cpu_bf16_dot(/*fp8_cache=*/true) ? 1 : 0);
 }
 
 static PyMethodDef kMethods[] = {
     {"cpu_isa", cpu_isa_in_use, METH_NOARGS, "The CPU kernels' ISA level in use."},
     {"cpu_amx", cpu_amx_in_use, METH_NOARGS, "Whether CPU attention uses AMX now."},
     {"cpu_bf16_dot", cpu_bf16_dot_in_use, METH_NOARGS,
-     "Whether CPU attention uses AVX512-BF16 dot products now."},
+     "Whether CPU attention on bf16 caches uses AVX512-BF16 dot products now."},
+    {"cpu_bf16_dot_fp8", cpu_bf16_dot_fp8_in_use, METH_NOARGS,
+     "Whether CPU attention on FP8 caches uses AVX512-BF16 dot products now."},
     {nullptr, nullptr, 0, nullptr}};
 
 extern "C" PyMODINIT_FUNC PyInit__C(void) {

@@ -190,8 +190,33 @@ def test_bf16_dot_path_matches_reference(gen, monkeypatch, dot, variant, q_lens,
     monkeypatch.setenv("PAGEDSPEC_CPU_ISA", "avx512")
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")
     monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", dot)
-    assert pagedspec._C.cpu_bf16_dot() == (dot == "1")
+    assert pagedspec._C.cpu_bf16_dot() == pagedspec._C.cpu_bf16_dot_fp8() == (dot == "1")
     _check_bf16_case(gen, variant, q_lens, seq_lens, heads, head_size, cache_dtype, block_size)
+
+
+def _cpu_vendor() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    return ""
+
+
+@pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU has no AVX512-BF16 with AVX512-VBMI")
+def test_bf16_dot_default_follows_vendor_and_cache(monkeypatch):
+    """By default the dot path takes FP8 caches on every CPU that has it and bf16 caches on AMD
+    only (an Intel core issues vdpbf16ps at half the FMA's rate; bench/NOTES.md has the A/B),
+    whether or not AMX takes other tasks; the variable forces both."""
+    monkeypatch.delenv("PAGEDSPEC_CPU_BF16_DOT", raising=False)
+    for amx in ("0", "1"):
+        monkeypatch.setenv("PAGEDSPEC_CPU_AMX", amx)
+        assert pagedspec._C.cpu_bf16_dot_fp8()
+        assert pagedspec._C.cpu_bf16_dot() == (_cpu_vendor() == "AuthenticAMD")
+    info = pagedspec.build_info()
+    assert info["cpu_bf16_dot"] == (_cpu_vendor() == "AuthenticAMD") and info["cpu_bf16_dot_fp8"]
+    for forced in ("0", "1"):
+        monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", forced)
+        assert pagedspec._C.cpu_bf16_dot() == pagedspec._C.cpu_bf16_dot_fp8() == (forced == "1")
 
 
 @pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU has no AVX512-BF16 with AVX512-VBMI")
@@ -228,6 +253,7 @@ def test_bf16_dot_path_is_taken_and_isolates(gen, monkeypatch, cache_dtype, head
 def test_levels_are_reported(monkeypatch):
     assert INFO["cpu_isa_levels"] == ["baseline", "avx2", "avx512"]
     assert isinstance(INFO["cpu_amx"], bool) and isinstance(INFO["cpu_bf16_dot"], bool)
+    assert isinstance(INFO["cpu_bf16_dot_fp8"], bool)
     assert "baseline" in INFO["cpu_isa_supported"]
     monkeypatch.delenv("PAGEDSPEC_CPU_ISA", raising=False)
     assert pagedspec.build_info()["cpu_isa"] == INFO["cpu_isa_supported"][-1], \

@@ -17,7 +17,7 @@
 // On the AVX-512 level, bf16 tasks may instead score and accumulate with AMX tile multiplies
 // (cpu/amx.h, AMX machines: the decode path, accumulators kept in tile layout, for decode and
 // verification rows at head sizes up to 128; the many-row path above that) or with AVX512-BF16
-// dot products (cpu_bf16_dot()).
+// dot products (cpu_bf16_dot).
 //
 // The work comes from a split-KV plan (attention_plan.h): one task per (item, KV head); items of
 // split sequences write a partial (acc, max, sum), merged afterwards with merge_softmax.
@@ -174,7 +174,7 @@ inline void accumulate_block(float* __restrict acc, const float* __restrict w,
 }
 
 #if PAGEDSPEC_CPU_LEVEL == 2
-// The bf16 dot-product path (cpu_bf16_dot(): AVX512-BF16, bf16 queries on a bf16 cache or on
+// The bf16 dot-product path (cpu_bf16_dot: AVX512-BF16, bf16 queries on a bf16 cache or on
 // the bf16 images of an FP8 cache's codes, D a multiple of 32). A register holds 32 bf16, and
 // each vdpbf16ps adds two exact products per float32 lane, so a score takes half the
 // instructions of the FMA path and bf16 K rows are read as stored, not widened. With D a
@@ -558,7 +558,8 @@ class CpuPagedAttention {
 
  public:
   explicit CpuPagedAttention(const PagedAttentionParams<QT, CacheT>& p)
-      : p_(p), bf16_dot_(kDotCapable && p.head_size % 32 == 0 && cpu_bf16_dot()) {}
+      : p_(p), bf16_dot_(kDotCapable && p.head_size % 32 == 0 &&
+                  cpu_bf16_dot(F != CacheFormat::kNative)) {}
 
   RowInfo row_info(int seq, int kv_head, int row) const {
     const int G = p_.group_size();

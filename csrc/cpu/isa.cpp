@@ -1,7 +1,5 @@
 #include "cpu/isa.h"
 
-#include "cpu/amx.h"
-
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
@@ -76,12 +74,17 @@ bool cpu_bf16_dot_supported() {
 #endif
 }
 
-bool cpu_bf16_dot() {
+bool cpu_bf16_dot(bool fp8_cache) {
   const char* env = std::getenv("PAGEDSPEC_CPU_BF16_DOT");
   const std::string forced = env == nullptr ? "" : env;
   if (forced == "0") return false;
   if (forced == "1") return cpu_bf16_dot_supported();
-  return cpu_bf16_dot_supported() && !amx_supported();
+#if defined(__x86_64__) || defined(__i386__)
+  static const bool amd = __builtin_cpu_is("amd");
+#else
+  static const bool amd = false;
+#endif
+  return cpu_bf16_dot_supported() && (fp8_cache || amd);
 }
 
 }  // namespace pagedspec

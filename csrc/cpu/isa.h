@@ -20,16 +20,20 @@ CpuIsa best_cpu_isa();
 CpuIsa cpu_isa();
 
 // The avx512 level's bf16 dot-product path (vdpbf16ps: 32 bf16 products per instruction where an
-// FMA takes 16 float32): whether the CPU has it, and whether attention with bf16 queries on bf16
-// or FP8 caches takes it now. By default it does where the CPU has no AMX-BF16: on AMD Zen 4 a
-// vdpbf16ps issues at the FMA's rate, twice the arithmetic, while on AMX machines (Sapphire
-// Rapids) it issues at a quarter of the FMA's rate and the tile multiplies do the many-row tasks.
-// PAGEDSPEC_CPU_BF16_DOT=0 turns it off, =1 on wherever the CPU has the instruction (read at every
-// call, as PAGEDSPEC_CPU_ISA, so tests can run both paths).
+// FMA takes 16 float32): whether the CPU has it, and whether attention with bf16 queries on a bf16
+// (fp8_cache false) or an FP8 cache (true) takes it now, for the tasks the AMX paths leave.
+// By default: on AMD (Zen 4) for both caches, where a vdpbf16ps issues at the FMA's rate, twice
+// the arithmetic; on Intel for FP8 caches only. An Intel core issues it at half the FMA's rate
+// (the same products per cycle; measured on a Sapphire Rapids), and its bf16 caches were 3-18%
+// faster on the FMA path (Emerald Rapids without AMX; Sapphire Rapids with AMX off, or at head
+// size 256), while FP8 caches were 15-18% faster on the dot path, whose codes become bf16 in
+// registers rather than float32.
+// PAGEDSPEC_CPU_BF16_DOT=0 turns it off, =1 on wherever the CPU has the instruction, for both
+// caches (read at every call, as PAGEDSPEC_CPU_ISA, so tests can run both paths).
 // Supported means AVX512-BF16 and AVX512-VBMI (its FP8 conversion; Zen 4 and every Intel CPU
 // with AVX512-BF16 but Cooper Lake have both).
 bool cpu_bf16_dot_supported();
-bool cpu_bf16_dot();
+bool cpu_bf16_dot(bool fp8_cache);
 // Whether the CPU has AVX512-VBMI (byte permutes: the attention's FP8 -> bf16 conversion).
 bool cpu_avx512_vbmi();
 

@@ -29,9 +29,10 @@ def build_info() -> dict:
     supported, or ``PAGEDSPEC_CPU_ISA=baseline|avx2|avx512``) and ``cpu_amx`` (whether the
     avx512 level's attention with bf16 queries, on bf16 or FP8 caches, uses AMX tile multiplies:
     the CPU has AMX-BF16, the OS allows it, and ``PAGEDSPEC_CPU_AMX`` is not ``0``) and
-    ``cpu_bf16_dot`` (whether that level's attention with bf16 queries on a bf16 cache uses
-    AVX512-BF16 dot products: by default where the CPU has them, AVX512-VBMI and no AMX-BF16;
-    ``PAGEDSPEC_CPU_BF16_DOT=0`` or ``1`` forces it).
+    ``cpu_bf16_dot`` and ``cpu_bf16_dot_fp8`` (whether that level's attention with bf16
+    queries on a bf16 / an FP8 cache uses AVX512-BF16 dot products for the tasks the AMX paths
+    leave: by default where the CPU has them and AVX512-VBMI, on AMD for both caches and on
+    Intel for FP8 caches only; ``PAGEDSPEC_CPU_BF16_DOT=0`` or ``1`` forces both).
     """
     with_cuda = bool(_C.with_cuda)
     return {
@@ -48,4 +49,5 @@ def build_info() -> dict:
         "cpu_isa": _C.cpu_isa(),
         "cpu_amx": _C.cpu_amx(),
         "cpu_bf16_dot": _C.cpu_bf16_dot(),
+        "cpu_bf16_dot_fp8": _C.cpu_bf16_dot_fp8(),
     }
