@@ -26,7 +26,7 @@ CpuIsa cpu_isa();
 // the arithmetic; on Intel for FP8 caches only. An Intel core issues it at half the FMA's rate
 // (the same products per cycle; measured on a Sapphire Rapids), and its bf16 caches were 3-18%
 // faster on the FMA path (Emerald Rapids without AMX; Sapphire Rapids with AMX off, or at head
-// size 256), while FP8 caches were 15-18% faster on the dot path, whose codes become bf16 in
+// size 256), while FP8 caches were 15-20% faster on the dot path, whose codes become bf16 in
 // registers rather than float32.
 // PAGEDSPEC_CPU_BF16_DOT=0 turns it off, =1 on wherever the CPU has the instruction, for both
 // caches (read at every call, as PAGEDSPEC_CPU_ISA, so tests can run both paths).
