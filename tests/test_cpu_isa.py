@@ -207,13 +207,14 @@ def test_bf16_dot_default_follows_vendor_and_cache(monkeypatch):
     """By default the dot path takes FP8 caches on every CPU that has it and bf16 caches on AMD
     only (an Intel core issues vdpbf16ps at half the FMA's rate; bench/NOTES.md has the A/B),
     whether or not AMX takes other tasks; the variable forces both."""
+    amd = _cpu_vendor() == "AuthenticAMD"
     monkeypatch.delenv("PAGEDSPEC_CPU_BF16_DOT", raising=False)
     for amx in ("0", "1"):
         monkeypatch.setenv("PAGEDSPEC_CPU_AMX", amx)
         assert pagedspec._C.cpu_bf16_dot_fp8()
-        assert pagedspec._C.cpu_bf16_dot() == (_cpu_vendor() == "AuthenticAMD")
+        assert pagedspec._C.cpu_bf16_dot() == amd
     info = pagedspec.build_info()
-    assert info["cpu_bf16_dot"] == (_cpu_vendor() == "AuthenticAMD") and info["cpu_bf16_dot_fp8"]
+    assert info["cpu_bf16_dot"] == amd and info["cpu_bf16_dot_fp8"]
     for forced in ("0", "1"):
         monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", forced)
         assert pagedspec._C.cpu_bf16_dot() == pagedspec._C.cpu_bf16_dot_fp8() == (forced == "1")
