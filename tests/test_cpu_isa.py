@@ -98,8 +98,9 @@ def test_amx_decode_path_matches_reference(gen, monkeypatch, amx_decode, variant
     """Decode and verification rows on bf16 or FP8 caches run the avx512 level's AMX decode path
     where the head size is a multiple of 32 up to 128 (weights rounded to bf16 as on the AMX
     path), or with PAGEDSPEC_CPU_AMX_DECODE=0 the FMA or many-row AMX path; 256 stays off it
-    either way. Groups of 1 to 8 heads and 1 to 8 query tokens give 1 to 32 rows a task: one to
-    four tile states, the last padded (20 rows: 7 + 7 + 6). Block size 8 gathers each 16 keys of
+    either way. Groups of 1 to 8 heads and 1 to 8 query tokens give 1 to 32 rows a task: one
+    narrow tile state (up to 8 rows) or one or two wide ones (9 to 16 rows each, the queries
+    padded to 16; 20 rows: 10 + 10, 12 rows: one). Block size 8 gathers each 16 keys of
     a tile multiply from two blocks; the lengths leave partial tiles, and tiles where some rows
     of a state see no position at all (33 with 3 draft tokens, 65 with 4)."""
     if amx_decode == "1" and not HAS_AMX:

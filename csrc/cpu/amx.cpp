@@ -287,6 +287,13 @@ namespace {
 TileConfig make_decode_config(int R) {
   TileConfig c;
   for (int t = 0; t < 8; ++t) c.colsb[t] = 64;
+  if (R > kAmxDecodeNarrowRows) {  // a wide state (cpu/amx.h)
+    const uint8_t high_rows = uint8_t(2 * (R - kAmxDecodeNarrowRows));
+    for (int t = 0; t < 8; ++t) c.rows[t] = 16;
+    c.rows[2] = c.rows[3] = high_rows;  // accumulators of rows 8 .. R - 1
+    c.rows[7] = high_rows;              // their weights
+    return c;
+  }
   for (int t = 0; t < 4; ++t) c.rows[t] = uint8_t(2 * R);  // accumulators
   c.rows[4] = 16;                                          // scores: 16 positions x R rows
   c.colsb[4] = uint16_t(4 * R);
@@ -306,12 +313,19 @@ __m512i row_major_slots(int R) {
 
 }  // namespace
 
+int amx_decode_prefetch_steps(int D, int n) {
+  const int halves = (n + 15) / 16;
+  return halves * (D / 32 + 1 + 1 + D / 32);  // scores, read_scores, weights, accumulate
+}
+
 void amx_decode_begin(AmxDecode& s, const uint16_t* const* q_rows, int R, int D) {
   s.rows = R;
   s.dims = D;
+  s.cols = R > kAmxDecodeNarrowRows ? 16 : R;
   // Each row's 32 dimensions of a chunk are 16 pairs (32 bits each), scattered to pair p's slot
-  // of that row.
-  const __m512i slots = row_major_slots(R);
+  // of that row; a wide state's padding rows stay zero.
+  if (s.cols > R) std::memset(s.q, 0, sizeof(s.q));
+  const __m512i slots = row_major_slots(s.cols);
   for (int c = 0; c < D / 32; ++c) {
     for (int n = 0; n < R; ++n) {
       _mm512_i32scatter_epi32(s.q[c], _mm512_add_epi32(slots, _mm512_set1_epi32(n)),
@@ -325,34 +339,51 @@ void amx_decode_configure(int R) {
   // Static, as amx_begin's: GCC treats _tile_loadconfig as reading only the palette byte of a
   // local configuration and drops the stores of the rest (the next tile instruction faults).
   static const auto configs = [] {
-    std::array<TileConfig, kAmxDecodeMaxRows + 1> c;
+    std::array<TileConfig, kAmxDecodeMaxRows + 1> c{};
     for (int r = 1; r <= kAmxDecodeMaxRows; ++r) c[r] = make_decode_config(r);
     return c;
   }();
   _tile_loadconfig(&configs[R]);
 }
 
-void amx_decode_scores(AmxDecode& s, const uint16_t* const* k, int n) {
-  const int R = s.rows, D = s.dims;
+void amx_decode_scores(AmxDecode& s, const uint16_t* const* k, int n,
+                       const AmxPrefetchStep& step) {
+  const int C = s.cols, D = s.dims;
   for (int h = 0; h * 16 < n; ++h) {
     int64_t stride = 0;
-    const uint16_t* base = tile_rows(k + h * 16, std::min(16, n - h * 16), D, s.gathered, &stride);
+    const uint16_t* base =
+        tile_rows(k + h * 16, std::min(16, n - h * 16), D, s.gathered[h], &stride);
     _tile_zero(4);
     for (int c = 0; c < D / 32; ++c) {
       _tile_loadd(5, base + 32 * c, stride);
-      _tile_loadd(6, s.q[c], 4 * R);
+      _tile_loadd(6, s.q[c], 4 * C);
       _tile_dpbf16ps(4, 5, 6);
+      step();
     }
-    _tile_stored(4, s.scores[h], 4 * R);
+    _tile_stored(4, s.scores[h], 4 * C);
   }
 }
 
-void amx_decode_read_scores(const AmxDecode& s, int n, float scale, float* w, int w_stride) {
+void amx_decode_read_scores(const AmxDecode& s, int n, float scale, float* w, int w_stride,
+                            const AmxPrefetchStep& step) {
   const int R = s.rows;
   const __m512 vscale = _mm512_set1_ps(scale);
+  if (s.cols == 16) {  // a wide state: the [position][16] tile transposed in registers
+    for (int h = 0; h * 16 < n; ++h) {
+      __m512 t[16];
+      for (int p = 0; p < 16; ++p) t[p] = _mm512_load_ps(s.scores[h] + p * 16);
+      step();
+      transpose16(t);
+      for (int r = 0; r < R; ++r) {
+        _mm512_storeu_ps(w + size_t(r) * w_stride + h * 16, _mm512_mul_ps(t[r], vscale));
+      }
+    }
+    return;
+  }
   // Position t of row r is at [t * R + r].
   const __m512i lanes = row_major_slots(R);
   for (int h = 0; h * 16 < n; ++h) {
+    step();
     for (int r = 0; r < R; ++r) {
       const __m512 row =
           _mm512_i32gather_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(r)), s.scores[h], 4);
@@ -361,11 +392,13 @@ void amx_decode_read_scores(const AmxDecode& s, int n, float scale, float* w, in
   }
 }
 
-void amx_decode_weights(AmxDecode& s, const float* w, int w_stride, int n) {
+void amx_decode_weights(AmxDecode& s, const float* w, int w_stride, int n,
+                        const AmxPrefetchStep& step) {
   const __m512i high = _mm512_set1_epi32(int(0xFFFF0000u));
   for (int h = 0; h * 16 < n; ++h) {
     // Row 2 r: (bf16 weight, 0) per position; row 2 r + 1: (0, bf16 weight).
     uint32_t* tile = s.weights[h];
+    step();
     for (int r = 0; r < s.rows; ++r) {
       const __m512i rounded = round_to_bf16_bits(_mm512_loadu_ps(w + size_t(r) * w_stride + h * 16));
       _mm512_store_si512(tile + (2 * r) * 16, _mm512_srli_epi32(rounded, 16));
@@ -374,8 +407,56 @@ void amx_decode_weights(AmxDecode& s, const float* w, int w_stride, int n) {
   }
 }
 
-void amx_decode_accumulate(AmxDecode& s, const uint16_t* const* v, int n) {
+namespace {
+// amx_decode_accumulate for a wide state: per pair of 32-dimension chunks, its four accumulator
+// tiles loaded once, each value tile multiplied by both weight tiles.
+void accumulate_wide(AmxDecode& s, const uint16_t* const* v, int n, const AmxPrefetchStep& step) {
+  const int chunks = s.dims / 32;
+  const int64_t high = 2 * kAmxDecodeNarrowRows * 16;  // rows 8 .. R - 1 of a chunk's (floats)
+  int64_t stride[2] = {0, 0};
+  const uint16_t* base[2] = {nullptr, nullptr};
+  for (int h = 0; h * 16 < n; ++h) {
+    base[h] = tile_rows(v + h * 16, std::min(16, n - h * 16), s.dims, s.gathered[h], &stride[h]);
+  }
+  for (int c = 0; c < chunks; c += 2) {
+    const bool pair = c + 1 < chunks;
+    _tile_loadd(0, s.acc[c], 64);
+    _tile_loadd(2, s.acc[c] + high, 64);
+    if (pair) {
+      _tile_loadd(1, s.acc[c + 1], 64);
+      _tile_loadd(3, s.acc[c + 1] + high, 64);
+    }
+    for (int h = 0; h * 16 < n; ++h) {
+      _tile_loadd(6, s.weights[h], 64);
+      _tile_loadd(7, s.weights[h] + 2 * kAmxDecodeNarrowRows * 16, 64);
+      _tile_loadd(5, base[h] + 32 * c, stride[h]);
+      _tile_dpbf16ps(0, 6, 5);
+      _tile_dpbf16ps(2, 7, 5);
+      step();
+      if (pair) {
+        _tile_loadd(5, base[h] + 32 * (c + 1), stride[h]);
+        _tile_dpbf16ps(1, 6, 5);
+        _tile_dpbf16ps(3, 7, 5);
+        step();
+      }
+    }
+    _tile_stored(0, s.acc[c], 64);
+    _tile_stored(2, s.acc[c] + high, 64);
+    if (pair) {
+      _tile_stored(1, s.acc[c + 1], 64);
+      _tile_stored(3, s.acc[c + 1] + high, 64);
+    }
+  }
+}
+}  // namespace
+
+void amx_decode_accumulate(AmxDecode& s, const uint16_t* const* v, int n,
+                           const AmxPrefetchStep& step) {
   const int D = s.dims;
+  if (s.cols == 16) {
+    accumulate_wide(s, v, n, step);
+    return;
+  }
   _tile_loadd(0, s.acc[0], 64);
   if (D > 32) _tile_loadd(1, s.acc[1], 64);
   if (D > 64) _tile_loadd(2, s.acc[2], 64);
@@ -383,20 +464,25 @@ void amx_decode_accumulate(AmxDecode& s, const uint16_t* const* v, int n) {
   for (int h = 0; h * 16 < n; ++h) {
     _tile_loadd(7, s.weights[h], 64);
     int64_t stride = 0;
-    const uint16_t* base = tile_rows(v + h * 16, std::min(16, n - h * 16), D, s.gathered, &stride);
+    const uint16_t* base =
+        tile_rows(v + h * 16, std::min(16, n - h * 16), D, s.gathered[h], &stride);
     _tile_loadd(5, base, stride);
     _tile_dpbf16ps(0, 7, 5);
+    step();
     if (D > 32) {
       _tile_loadd(5, base + 32, stride);
       _tile_dpbf16ps(1, 7, 5);
+      step();
     }
     if (D > 64) {
       _tile_loadd(5, base + 64, stride);
       _tile_dpbf16ps(2, 7, 5);
+      step();
     }
     if (D > 96) {
       _tile_loadd(5, base + 96, stride);
       _tile_dpbf16ps(3, 7, 5);
+      step();
     }
   }
   _tile_stored(0, s.acc[0], 64);
@@ -468,10 +554,19 @@ void amx_scores(const uint16_t*, int, const uint16_t* const*, int, int, float, f
 void amx_accumulate(const float*, int, int, const uint16_t* const*, int, float*) { std::abort(); }
 void amx_decode_begin(AmxDecode&, const uint16_t* const*, int, int) { std::abort(); }
 void amx_decode_configure(int) { std::abort(); }
-void amx_decode_scores(AmxDecode&, const uint16_t* const*, int) { std::abort(); }
-void amx_decode_read_scores(const AmxDecode&, int, float, float*, int) { std::abort(); }
-void amx_decode_weights(AmxDecode&, const float*, int, int) { std::abort(); }
-void amx_decode_accumulate(AmxDecode&, const uint16_t* const*, int) { std::abort(); }
+int amx_decode_prefetch_steps(int, int) { std::abort(); }
+void amx_decode_scores(AmxDecode&, const uint16_t* const*, int, const AmxPrefetchStep&) {
+  std::abort();
+}
+void amx_decode_read_scores(const AmxDecode&, int, float, float*, int, const AmxPrefetchStep&) {
+  std::abort();
+}
+void amx_decode_weights(AmxDecode&, const float*, int, int, const AmxPrefetchStep&) {
+  std::abort();
+}
+void amx_decode_accumulate(AmxDecode&, const uint16_t* const*, int, const AmxPrefetchStep&) {
+  std::abort();
+}
 void amx_decode_accumulate_row(AmxDecode&, int, const float*, const uint16_t* const*, int, int) {
   std::abort();
 }

@@ -518,6 +518,10 @@ struct TilePrefetch {
     }
   }
   void step() { advance(lines_per_step); }
+  // step() as the AMX decode functions call it, between their tile operations.
+  AmxPrefetchStep tile_step() {
+    return AmxPrefetchStep{[](void* self) { static_cast<TilePrefetch*>(self)->step(); }, this};
+  }
   void drain() { advance(INT64_MAX); }
 };
 
@@ -947,7 +951,9 @@ class CpuPagedAttention {
   // attend_item through the AMX decode path (cpu/amx.h: AmxDecode), each head's rows in chunks
   // of up to kAmxDecodeMaxRows (one state each). Per tile, three passes over the heads: scores
   // by tile multiplies, then the online softmax and the weight tiles, then P.V, so that each
-  // hand-over between tiles and vector code has a few heads' work in between.
+  // hand-over between tiles and vector code has a few heads' work in between. The next tile's
+  // prefetch advances inside the tile functions too (AmxPrefetchStep), not in bursts between
+  // passes. Rows over 8 take wide states, so 9 to 16 rows share each key tile and hand-over.
   // The accumulators stay in tile layout from the first tile to the last; a row's running max
   // is raised only past kAmxDecodeMaxSlack (SoftmaxState's max is then the reference of the
   // sum and accumulator, below the largest logit by at most that; every consumer only needs a
@@ -980,25 +986,28 @@ class CpuPagedAttention {
         std::fill(ws.state.begin(), ws.state.begin() + R, SoftmaxState::empty());
       }
       amx_decode_configure(chunk_rows);
+      const AmxPrefetchStep step = pf.tile_step();
       const int pos_end = task_pos_end(item);
       if (!first_prefetched) prefetch_first_tile(pf, item);
       for (int start = item.pos_begin; start < pos_end; start += kTile) {
         const int n = std::min(kTile, pos_end - start);
         const int n16 = (n + 15) & ~15;  // the weight tiles' positions
-        plan_after_tile(pf, item, next, start, pos_end, 3 * HK);  // a step per head and pass
+        // A step per head and pass, and those the tile functions take.
+        plan_after_tile(pf, item, next, start, pos_end,
+                        HK * (3 + chunks * amx_decode_prefetch_steps(D, n)));
         for (int h = 0; h < HK; ++h) {
           Workspace& ws = heads[h];
           locate_tile(with_head(item, item.kv_head + h), ws, start, n);
           pf.step();
           const uint16_t* const* k = bf16_rows(ws.krows, 0, n, ws.kreader, ws.kimg, ws.kimg_rows);
-          for (int c = 0; c < chunks; ++c) amx_decode_scores(ws.decode[c], k, n);
+          for (int c = 0; c < chunks; ++c) amx_decode_scores(ws.decode[c], k, n, step);
         }
         for (int h = 0; h < HK; ++h) {
           Workspace& ws = heads[h];
           pf.step();
           for (int c = 0; c < chunks; ++c) {
             amx_decode_read_scores(ws.decode[c], n, score_scale(item.kv_head + h),
-                                   ws.w.data() + c * chunk_rows * kTile, kTile);
+                                   ws.w.data() + c * chunk_rows * kTile, kTile, step);
           }
           float factor[kMaxRows];
           bool rescale[kAmxDecodeChunks] = {};
@@ -1020,7 +1029,8 @@ class CpuPagedAttention {
           }
           for (int c = 0; c < chunks; ++c) {
             if (rescale[c]) amx_decode_scale(ws.decode[c], factor + c * chunk_rows);
-            amx_decode_weights(ws.decode[c], ws.w.data() + c * chunk_rows * kTile, kTile, n);
+            amx_decode_weights(ws.decode[c], ws.w.data() + c * chunk_rows * kTile, kTile, n,
+                               step);
           }
         }
         for (int h = 0; h < HK; ++h) {
@@ -1033,7 +1043,7 @@ class CpuPagedAttention {
             const int first = c * chunk_rows, last = std::min(R, first + chunk_rows);
             int common = n;
             for (int r = first; r < last; ++r) common = std::min(common, ws.visible[r]);
-            if (common > 0) amx_decode_accumulate(ws.decode[c], v, common);
+            if (common > 0) amx_decode_accumulate(ws.decode[c], v, common, step);
             for (int r = first; r < last; ++r) {
               if (ws.visible[r] > common) {
                 amx_decode_accumulate_row(ws.decode[c], r - first, ws.w.data() + r * kTile, v,
