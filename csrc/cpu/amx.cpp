@@ -322,17 +322,21 @@ void amx_decode_begin(AmxDecode& s, const uint16_t* const* q_rows, int R, int D)
   s.rows = R;
   s.dims = D;
   s.cols = R > kAmxDecodeNarrowRows ? 16 : R;
-  // Each row's 32 dimensions of a chunk are 16 pairs (32 bits each), scattered to pair p's slot
-  // of that row; a wide state's padding rows stay zero.
-  if (s.cols > R) std::memset(s.q, 0, sizeof(s.q));
-  const __m512i slots = row_major_slots(s.cols);
+  // Per chunk, the [row][pair] matrix of 32-bit pairs (a row's 32 dimensions are one register)
+  // transposed in registers into [pair][col] (padding columns zero): 16 scatters a chunk cost
+  // about as much as the rest of a 256-position task's setup.
+  const __mmask16 cols = __mmask16((1u << s.cols) - 1u);
   for (int c = 0; c < D / 32; ++c) {
-    for (int n = 0; n < R; ++n) {
-      _mm512_i32scatter_epi32(s.q[c], _mm512_add_epi32(slots, _mm512_set1_epi32(n)),
-                              _mm512_loadu_si512(q_rows[n] + 32 * c), 4);
+    __m512 m[16];
+    for (int n = 0; n < 16; ++n) {
+      m[n] = n < R ? _mm512_castsi512_ps(_mm512_loadu_si512(q_rows[n] + 32 * c))
+                   : _mm512_setzero_ps();
     }
+    transpose16(m);
+    for (int p = 0; p < 16; ++p) _mm512_mask_storeu_ps(s.q[c] + p * s.cols * 2, cols, m[p]);
   }
-  std::memset(s.acc, 0, sizeof(s.acc));
+  // The accumulator rows the state uses: 2 R of each chunk.
+  for (int c = 0; c < D / 32; ++c) std::memset(s.acc[c], 0, size_t(2 * R) * 16 * sizeof(float));
 }
 
 void amx_decode_configure(int R) {
