@@ -49,12 +49,23 @@ def test_plan_matches_its_definition(seq_lens, q_lens, heads, partition_size, ma
     assert torch.equal(plan, want)
 
 
-def test_cpu_planner_splits_long_contexts_whatever_the_work():
-    # 256-position partitions beat unsplit tasks on CPU at every batch measured (bench/NOTES.md).
-    for seq_lens, heads in (([4000], (32, 8)), ([4000] * 64, (32, 8)), ([4000], (8, 1))):
-        lens, cu = _lens(seq_lens, [1] * len(seq_lens))
-        plan = ops.paged_attention_plan(lens, cu, *heads, "cpu")
-        assert plan[4] == 256 and plan[2] == 16 * len(seq_lens)
+@pytest.mark.parametrize("threads, seq_lens, heads, partition", [
+    (2, [4000], (32, 8), 1024),        # 4 items x 8 KV heads = 32 tasks >= 4 x 2 threads
+    (16, [4000], (32, 8), 512),        # 32 tasks < 4 x 16; 8 items x 8 = 64
+    (64, [4000], (32, 8), 256),        # not enough tasks at any size: the smallest
+    (64, [4000] * 64, (32, 8), 1024),  # plenty of work: the largest
+    (2, [4000], (8, 1), 512),          # one KV head: 4 items < 8; 8 items
+    (1, [1500], (32, 8), 1024),        # 1024 + 476
+])
+def test_cpu_planner_splits_long_contexts_whatever_the_work(threads, seq_lens, heads,
+                                                            partition):
+    # Splitting beats unsplit tasks on CPU at every batch measured, and longer partitions beat
+    # 256 where there are tasks enough for the threads (bench/NOTES.md).
+    torch.set_num_threads(threads)
+    lens, cu = _lens(seq_lens, [1] * len(seq_lens))
+    plan = ops.paged_attention_plan(lens, cu, *heads, "cpu")
+    parts = -(-seq_lens[0] // partition)
+    assert plan[4] == partition and plan[2] == parts * len(seq_lens)
     # Contexts under two partitions never split; a bound on the items makes partitions longer.
     lens, cu = _lens([500], [1])
     assert ops.plan_paged_attention(lens, cu, 8, 1, 64, "cpu").split is False

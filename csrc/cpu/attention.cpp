@@ -20,11 +20,11 @@ namespace {
 
 constexpr int kMaxRows = kCpuAttentionRows;  // query rows (tokens x heads of a group) per task
 
-// The CPU planner's inputs: query-row chunks of kMaxRows, and every context longer than 512
-// split into 256-position partitions whatever the batch: measured 15-25% faster than unsplit at
-// batch 1 to 16 and 2k-16k contexts (decode and q_len 5, Sapphire Rapids, bench/NOTES.md), a
-// partition's K/V (about 128 KB per KV head at D = 128, bf16) staying in L2 while its tiles
-// are scored and accumulated.
+// The CPU planner's inputs: query-row chunks of kMaxRows, and every context of at least 512
+// split whatever the batch, into partitions of up to 1024 positions that leave at least
+// kCpuPlanWaves tasks per thread (choose_partition; bench/NOTES.md measured splitting faster
+// than unsplit tasks at batch 1 to 16 and 2k-16k contexts on Sapphire Rapids, and 1024 faster
+// than 256 once tasks were plentiful).
 PlanRequest cpu_plan_request(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                              const int* seq_lens, const int* cu_seqlens_q, int forced_partition) {
   PlanRequest r{};
@@ -34,7 +34,9 @@ PlanRequest cpu_plan_request(int64_t num_seqs, int64_t num_heads, int64_t num_kv
   r.group_size = static_cast<int>(num_heads / num_kv_heads);
   r.num_kv_heads = static_cast<int>(num_kv_heads);
   r.rows_per_item = kMaxRows;
-  r.always_split = true;   // (so concurrency and waves are not read)
+  r.always_split = true;
+  r.concurrency = at::get_num_threads();
+  r.waves = kCpuPlanWaves;
   r.forced_partition = forced_partition;
   return r;
 }

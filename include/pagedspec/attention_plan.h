@@ -88,8 +88,9 @@ struct PlanRequest {
   int64_t concurrency;      // work items x KV heads that run at once (CUDA: SMs x resident
                             // CTAs per SM; CPU: threads)
   int waves;                // aim for at most waves x concurrency tasks once split
-  bool always_split;        // split every context longer than 2 x kMinPlanPartition into
-                            // kMinPlanPartition partitions, however much work there is (CPU)
+  bool always_split;        // split every context of at least 2 x kMinPlanPartition, however
+                            // much work there is (CPU; the partition size then depends on
+                            // the work: choose_partition)
   int forced_partition;     // 0: choose; > 0: this partition size; < 0: never split
   int64_t max_items;        // capacity bound, <= 0 for none
   int64_t max_partial_rows; // workspace bound, <= 0 for none
@@ -97,6 +98,12 @@ struct PlanRequest {
 
 // Smallest partition the planner chooses: below it, merging costs more than parallelism gains.
 constexpr int kMinPlanPartition = 256;
+// Largest partition the CPU planner prefers: per-item setup, partial writes and the merge made
+// 256-position partitions 10-25% slower than 1024 at B = 8, ctx = 2048 on every CPU path
+// (bench/NOTES.md), so the CPU takes the largest that still leaves kCpuPlanWaves x threads
+// tasks.
+constexpr int kMaxCpuPlanPartition = 1024;
+constexpr int kCpuPlanWaves = 4;
 
 struct PlanShape {
   int partition_size;
@@ -142,9 +149,10 @@ inline bool plan_fits(const PlanRequest& r, const PlanShape& s) {
 
 // The partition size: none (the longest length: every sequence direct) unless splitting helps,
 // else the smallest power-of-two multiple of kMinPlanPartition whose tasks (items x KV heads)
-// stay within waves x concurrency, and within the capacity bounds. With always_split, the
-// smallest such multiple that fits the bounds whatever the work. Returns 0 when even the
-// unsplit plan exceeds max_items.
+// stay within waves x concurrency, and within the capacity bounds. With always_split (CPU):
+// the largest of 1024, 512, 256 below the longest length whose tasks reach waves x concurrency
+// and that fits the bounds; if none does, the smallest multiple that fits the bounds. Returns 0
+// when even the unsplit plan exceeds max_items.
 inline int choose_partition(const PlanRequest& r) {
   int longest = 1;
   for (int i = 0; i < r.num_seqs; ++i) longest = r.seq_lens[i] > longest ? r.seq_lens[i] : longest;
@@ -157,6 +165,12 @@ inline int choose_partition(const PlanRequest& r) {
   }
   if (r.always_split) {
     if (longest < 2 * kMinPlanPartition) return longest;
+    const int64_t wanted = int64_t(r.waves) * r.concurrency;
+    for (int part = kMaxCpuPlanPartition; part >= kMinPlanPartition; part /= 2) {
+      if (part >= longest) continue;
+      const PlanShape s = plan_shape(r, part);
+      if (s.num_items * r.num_kv_heads >= wanted && plan_fits(r, s)) return part;
+    }
     for (int64_t part = kMinPlanPartition; part < longest; part *= 2) {
       if (plan_fits(r, plan_shape(r, int(part)))) return int(part);
     }

@@ -198,8 +198,9 @@ def paged_attention_run(out, query, key_cache, value_cache, block_tables, seq_le
 
 PLAN_MAGIC = 0x50534B56
 ROWS_PER_ITEM = {"cpu": 32, "cuda": 4}  # a CPU task's query rows, a CUDA thread block's
-PLAN_WAVES = {"cuda": 4}
+PLAN_WAVES = {"cpu": 4, "cuda": 4}
 MIN_PLAN_PARTITION = 256
+MAX_CPU_PLAN_PARTITION = 1024
 
 
 def paged_attention_plan(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, num_heads: int,
@@ -213,10 +214,13 @@ def paged_attention_plan(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, num
     sequence longer than P has ceil(len / P) partitions and a chunk of rows gets one item per
     partition its last row can see; a sequence that fits is one item per chunk, written directly.
     P is chosen as: no split (P = longest) when the longest sequence is under 2 x 256; on CPU,
-    the smallest 256 x 2^k below the longest that fits the bounds; on CUDA, no split when the
-    unsplit items x KV heads already fill 4 x concurrency, else the smallest 256 x 2^k below the
-    longest whose items x KV heads stay within 4 x concurrency (and the bounds); else no split.
-    ``concurrency`` (CUDA: SMs x resident thread blocks per SM) must be given for CUDA.
+    the largest of 1024, 512, 256 below the longest whose items x KV heads reach 4 x
+    concurrency and that fits the bounds, else the smallest 256 x 2^k below the longest that
+    fits the bounds; on CUDA, no split when the unsplit items x KV heads already fill 4 x
+    concurrency, else the smallest 256 x 2^k below the longest whose items x KV heads stay
+    within 4 x concurrency (and the bounds); else no split. ``concurrency``: CPU threads
+    (default ``torch.get_num_threads()``); CUDA SMs x resident thread blocks per SM, which
+    must be given.
     """
     kind = torch.device(device).type
     group = num_heads // num_kv_heads
@@ -257,8 +261,16 @@ def paged_attention_plan(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, num
         chosen = partition_size
     elif longest < 2 * MIN_PLAN_PARTITION:
         chosen = longest
-    elif kind == "cpu":  # the CPU splits whatever the work: the smallest partition that fits
-        part = MIN_PLAN_PARTITION
+    elif kind == "cpu":  # the CPU splits whatever the work
+        threads = concurrency if concurrency is not None else torch.get_num_threads()
+        part = MAX_CPU_PLAN_PARTITION  # the largest partition that leaves enough tasks
+        while part >= MIN_PLAN_PARTITION and chosen is None:
+            shape = layout(part)
+            if (part < longest and len(shape[0]) * num_kv_heads >= PLAN_WAVES[kind] * threads
+                    and fits(shape)):
+                chosen = part
+            part //= 2
+        part = MIN_PLAN_PARTITION  # else the smallest that fits
         while part < longest and chosen is None:
             chosen = part if fits(layout(part)) else None
             part *= 2
