@@ -219,8 +219,9 @@ def paged_attention_plan(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, num
         partition_size: 0 lets the planner choose: contexts under 512 never split; CPU splits
             longer ones whatever the work (faster on CPU at every batch measured), into the
             largest of 1024, 512 and 256 positions that leaves 4 x threads tasks (items x KV
-            heads; 256 if none does: fewer, longer tasks cost less setup and merging); CUDA splits only when the unsplit work fills fewer than 4 waves of the device, into
-            the smallest power-of-two multiple of 256 positions that stays within 4 waves.
+            heads; 256 if none does: fewer, longer tasks cost less setup and merging); CUDA
+            splits only when the unsplit work fills fewer than 4 waves of the device, into the
+            smallest power-of-two multiple of 256 positions that stays within 4 waves.
             -1 never splits; > 0 forces that partition size.
         max_items, max_partial_rows: bounds the plan must fit (it splits less to fit). With
             max_items the plan has exactly that capacity, so one buffer (and a CUDA graph
