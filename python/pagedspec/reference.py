@@ -265,8 +265,8 @@ def paged_attention_plan(seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, num
         threads = concurrency if concurrency is not None else torch.get_num_threads()
         part = MAX_CPU_PLAN_PARTITION  # the largest partition that leaves enough tasks
         while part >= MIN_PLAN_PARTITION and chosen is None:
-            shape = layout(part)
-            if (part < longest and len(shape[0]) * num_kv_heads >= PLAN_WAVES[kind] * threads
+            shape = layout(part) if part < longest else None
+            if (shape is not None and len(shape[0]) * num_kv_heads >= PLAN_WAVES[kind] * threads
                     and fits(shape)):
                 chosen = part
             part //= 2
