@@ -29,6 +29,22 @@ namespace pagedspec {
 namespace PAGEDSPEC_CPU_NAMESPACE {
 namespace {
 
+// A std::vector allocator on cache-line boundaries, for buffers that 64-byte stores and tile
+// loads go through row by row: a row across two lines costs two accesses.
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64)));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  friend bool operator==(const LineAligned&, const LineAligned&) { return true; }
+  friend bool operator!=(const LineAligned&, const LineAligned&) { return false; }
+};
+
 constexpr int kDefaultTile = 32;  // positions per tile (CpuPagedAttention::kTile)
 constexpr int kMaxRows = kCpuAttentionRows;  // query rows (tokens x heads of a group) per task
 constexpr int kMassTile = 256; // positions per attn_mass task
@@ -592,11 +608,6 @@ class CpuPagedAttention {
     const CacheT* krows[kTile];
     const CacheT* vrows[kTile];
     CacheReader<CacheT, F> kreader, vreader;
-    // The AMX path on an FP8 cache, and the dot path where D is not a multiple of 64: the tile's
-    // K and V rows as bf16 images, [kTile, D] each (bf16_rows).
-    std::vector<uint16_t> kimg, vimg;
-    const uint16_t* kimg_rows[kTile];
-    const uint16_t* vimg_rows[kTile];
     const uint16_t* const* dot_vrows = nullptr;  // the dot path: this tile's V rows as bf16
 
     explicit Workspace(int D)
@@ -636,10 +647,6 @@ class CpuPagedAttention {
     if (!dot) return;
     ws.q_bf16.resize(size_t(kMaxRows) * p_.head_size);
     ws.w_bf16.resize(size_t(kMaxRows) * kTile);
-    if (F != CacheFormat::kNative && !ws.dot_fp8) {
-      ws.kimg.resize(size_t(kTile) * p_.head_size);
-      ws.vimg.resize(size_t(kTile) * p_.head_size);
-    }
   }
 
   // The AMX decode path (attend_item_amx_decode) for a plan item: bf16 queries on a bf16 or FP8
@@ -665,31 +672,48 @@ class CpuPagedAttention {
     amx_begin();
   }
 
-  // What both AMX paths read: the task's R query rows as bf16 bits (rows[r], ws.rows located),
-  // and on an FP8 cache room for a tile's K and V images (bf16_rows).
+  // What both AMX paths read: the task's R query rows as bf16 bits (rows[r], ws.rows located).
   void tile_operands(Workspace& ws, int R, const uint16_t** rows) const {
     for (int r = 0; r < R; ++r) rows[r] = reinterpret_cast<const uint16_t*>(query_row(ws.rows[r]));
-    if constexpr (F != CacheFormat::kNative) {
-      ws.kimg.resize(size_t(kTile) * p_.head_size);
-      ws.vimg.resize(size_t(kTile) * p_.head_size);
-    }
   }
 
-  // Rows [first, first + n) of `rows` as the bf16 rows the tile multiplies and the dot path
-  // read: a bf16 cache's in place; an FP8 cache's converted into `buf` as the bf16 bits of their
-  // images (the values CacheReader reads, so the scale folds in as on the FMA path; see
-  // fp8_images_as_bf16).
+  // The bf16 images of one tile's FP8 K and V rows, [kTile, D] each (bf16_rows): one pair per
+  // thread, shared by all heads, since every path consumes a head's images before it converts
+  // the next head's. Per-head pairs (16 KB a head at D = 128, 8 heads to a decode task) left L1
+  // and made every image store a miss, and a vector's 16-byte alignment split each 64-byte row
+  // access across two lines: FP8 decode at B=8 ctx=2048 took 4.3-4.8 ms against 3.0-3.3.
+  enum class Operand { kKeys, kValues };
+  struct TileImages {
+    std::vector<uint16_t, LineAligned<uint16_t>> k, v;
+    const uint16_t* k_rows[kTile];
+    const uint16_t* v_rows[kTile];
+  };
+  static TileImages& tile_images(int D) {
+    static thread_local TileImages images;
+    images.k.resize(size_t(kTile) * D);
+    images.v.resize(size_t(kTile) * D);
+    return images;
+  }
+
+  // Rows [first, first + n) of `rows` (keys or values) as the bf16 rows the tile multiplies and
+  // the dot path read: a bf16 cache's in place; an FP8 cache's converted into the thread's
+  // TileImages as the bf16 bits of their images (the values CacheReader reads, so the scale
+  // folds in as on the FMA path; see fp8_images_as_bf16), valid until the next call for the
+  // same operand.
   const uint16_t* const* bf16_rows(const CacheT* const* rows, int first, int n,
-                                   const Reader& reader, std::vector<uint16_t>& buf,
-                                   const uint16_t** out) const {
+                                   const Reader& reader, Operand which) const {
     if constexpr (F == CacheFormat::kNative) {
       return reinterpret_cast<const uint16_t* const*>(rows + first);
     } else {
+      TileImages& images = tile_images(p_.head_size);
+      const bool keys = which == Operand::kKeys;
+      const uint16_t** out = keys ? images.k_rows : images.v_rows;
 #if PAGEDSPEC_CPU_LEVEL == 2
+      uint16_t* buf = (keys ? images.k : images.v).data();
       fp8_images_as_bf16(reinterpret_cast<const uint8_t* const*>(rows) + first, n, p_.head_size,
-                         fp8_bytes(reader), buf.data() + size_t(first) * p_.head_size, out + first);
+                         fp8_bytes(reader), buf + size_t(first) * p_.head_size, out + first);
 #else
-      (void)rows, (void)n, (void)reader, (void)buf;
+      (void)rows, (void)n, (void)reader;
 #endif
       return out + first;
     }
@@ -765,7 +789,7 @@ class CpuPagedAttention {
     const float q_scale = score_scale(task.kv_head);
     for (int t = 0; t < n; ++t) pf.step();
     amx_scores(ws.q_vnni.data(), task.num_rows,
-               bf16_rows(ws.krows, 0, n, ws.kreader, ws.kimg, ws.kimg_rows), n, D, q_scale,
+               bf16_rows(ws.krows, 0, n, ws.kreader, Operand::kKeys), n, D, q_scale,
                ws.w.data(), kTile);
   }
 
@@ -851,7 +875,7 @@ class CpuPagedAttention {
     [[maybe_unused]] const uint16_t* const* dot_krows = nullptr;
     if constexpr (kDotCapable) {
       if (ws.dot && !ws.dot_fp8) {
-        dot_krows = bf16_rows(ws.krows, 0, ws.visible[R - 1], ws.kreader, ws.kimg, ws.kimg_rows);
+        dot_krows = bf16_rows(ws.krows, 0, ws.visible[R - 1], ws.kreader, Operand::kKeys);
       }
     }
 #if PAGEDSPEC_CPU_LEVEL == 2
@@ -999,7 +1023,7 @@ class CpuPagedAttention {
           Workspace& ws = heads[h];
           locate_tile(with_head(item, item.kv_head + h), ws, start, n);
           pf.step();
-          const uint16_t* const* k = bf16_rows(ws.krows, 0, n, ws.kreader, ws.kimg, ws.kimg_rows);
+          const uint16_t* const* k = bf16_rows(ws.krows, 0, n, ws.kreader, Operand::kKeys);
           for (int c = 0; c < chunks; ++c) amx_decode_scores(ws.decode[c], k, n, step);
         }
         for (int h = 0; h < HK; ++h) {
@@ -1036,7 +1060,7 @@ class CpuPagedAttention {
         for (int h = 0; h < HK; ++h) {
           Workspace& ws = heads[h];
           pf.step();
-          const uint16_t* const* v = bf16_rows(ws.vrows, 0, n, ws.vreader, ws.vimg, ws.vimg_rows);
+          const uint16_t* const* v = bf16_rows(ws.vrows, 0, n, ws.vreader, Operand::kValues);
           for (int c = 0; c < chunks; ++c) {
             // Tile multiplies over the positions all the chunk's rows see, vector FMAs past them
             // (verification rows' last positions), so no row meets a value it may not see.
@@ -1110,7 +1134,7 @@ class CpuPagedAttention {
     if (ws.dot) {  // V rows and weights as bf16 for the dot path's P.V (those past a row unread)
       if constexpr (kDotCapable) {
         if (!ws.dot_fp8) {
-          ws.dot_vrows = bf16_rows(ws.vrows, 0, n, ws.vreader, ws.vimg, ws.vimg_rows);
+          ws.dot_vrows = bf16_rows(ws.vrows, 0, n, ws.vreader, Operand::kValues);
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -1126,7 +1150,7 @@ class CpuPagedAttention {
       // is past a row's limit, so the tile multiply may take them all (the causal tail and
       // partial tiles stay on the FMA path, which accumulates per visible segment).
       amx_accumulate(ws.w.data(), kTile, R,
-                     bf16_rows(ws.vrows, 0, kTile, ws.vreader, ws.vimg, ws.vimg_rows), D,
+                     bf16_rows(ws.vrows, 0, kTile, ws.vreader, Operand::kValues), D,
                      ws.acc.data());
     } else {
       for (int r0 = 0; r0 < R; r0 += kRowBlock) {
