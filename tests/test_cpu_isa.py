@@ -171,7 +171,8 @@ HAS_BF16_DOT = _bf16_dot_supported()
 @pytest.mark.parametrize("q_lens, seq_lens, heads", [([5, 5, 5], [5, 48, 513], (32, 8)),
                                                      ([2, 9, 1], [33, 700, 64], (8, 1)),
                                                      ([1, 1, 1], [1, 31, 1100], (8, 2)),
-                                                     ([3, 1, 4], [40, 700, 97], (16, 16))])
+                                                     ([3, 1, 4], [40, 700, 97], (16, 16)),
+                                                     ([3, 13, 2], [19, 300, 1041], (12, 3))])
 @pytest.mark.parametrize("head_size", [64, 96, 128, 256])
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, *FP8], ids=str)
 @pytest.mark.parametrize("block_size", [16, 8])
@@ -183,7 +184,10 @@ def test_bf16_dot_path_matches_reference(gen, monkeypatch, dot, variant, q_lens,
     (PAGEDSPEC_CPU_BF16_DOT=1: exact products, float32 sums in another order; weights rounded to
     bf16 for P.V, 2^-9 relative, inside bf16 output's tolerance) and through the FMA path (=0),
     with AMX off so that every task takes the path asked for. Head size 96 leaves a 32-wide span
-    after the 64-wide ones; odd visible counts pair the last position with zero."""
+    after the 64-wide ones; odd visible counts pair the last position with zero. Tasks of 8 rows
+    and more score against a packed K tile in blocks of 8 and 4 rows (20 = 8 + 8 + 4, 12 = 8 + 4,
+    a 52-row draft as 32 + 20), over one or two 16-position groups (a 5- or 19-token sequence
+    gives the first tile fewer than 16)."""
     if dot == "1" and not HAS_BF16_DOT:
         pytest.skip("this CPU has no AVX512-BF16 with AVX512-VBMI")
     if "avx512" not in INFO["cpu_isa_supported"]:

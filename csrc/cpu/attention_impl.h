@@ -53,6 +53,12 @@ constexpr int kMassTile = 256; // positions per attn_mass task
 constexpr int kAmxMinRows = 8;
 static_assert(kDefaultTile == kAmxTilePositions, "amx_accumulate takes one whole tile of values");
 static_assert(kDefaultTile == kAmxDecodePositions, "the AMX decode calls take one tile");
+// Rows from which the dot path scores through a packed K tile (score_tile_packed): its
+// transposition costs a position as much as the 4 x 4 blocks' sums for about 6 rows (D = 128),
+// and 4-row decode tasks measured 5-10% slower through it (EPYC-VM, bf16).
+constexpr int kPackedMinRows = 8;
+constexpr int kPackedGroup = 16;     // positions per group of the packed tile (a score register)
+constexpr int kPackedStepPairs = 4;  // a head's bf16 pairs per prefetch step of score_rows_packed
 // The AMX decode path raises a row's running max only when a tile's scores exceed it by more
 // than this (log2 domain): weights up to 2^8 are exact enough in bf16 and float32 sums, and the
 // accumulators, which live in tile layout, are rescaled about once per task instead of per tile.
@@ -473,6 +479,74 @@ inline void fp8_dot_to_natural(float* __restrict row, int D) {
     _mm512_storeu_ps(row + d + 48, _mm512_shuffle_f32x4(t2, t3, 0xDD));
   }
 }
+
+// The dot path's scores for tasks of many rows (score_tile_packed): the tile's K rows packed
+// pair-major, one register per (group of 16 positions, bf16 pair j of the head), so that a
+// query's pair j broadcast against it adds that pair's products for 16 positions at once and
+// the scores come out in lanes, position by position. The 4 x 4 blocks (score_block_dot) spend
+// 45 shuffles and adds on every 16 scores (sum16), then scatter them into the weight rows; the
+// packing spends 64 shuffles per 16 positions and 32 dimensions, once for all of a task's rows.
+
+// Packs n <= 16 K rows of one group (rows past n as zeros), D a multiple of 32: dword c of 16-
+// dword block b of every row (bf16 dimensions 32 b + 2 c, + 1 in the queries' order) at dst +
+// (16 b + c) * 16, position by position. load(t, k, lo, hi, pair) gives row t's dwords [32 k,
+// 32 k + 32) as two registers (only `lo` if !pair, the last 16 of D = 96, 160, ...); `hi` waits
+// in L1 while `lo`'s block is transposed.
+template <typename LoadChunk>
+[[gnu::always_inline]] inline void pack_key_group(int n, int D, uint32_t* __restrict dst,
+                                                  LoadChunk&& load) {
+  alignas(64) uint32_t spill[kPackedGroup][16];
+  const int blocks = D / 32;
+  for (int b = 0; b < blocks; b += 2) {
+    const bool pair = b + 1 < blocks;
+    __m512i r[kPackedGroup];
+#pragma GCC unroll 16
+    for (int t = 0; t < kPackedGroup; ++t) {
+      __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+      if (t < n) load(t, b / 2, lo, hi, pair);
+      r[t] = lo;
+      if (pair) _mm512_store_si512(spill[t], hi);
+    }
+    transpose16_epi32(r);
+    for (int c = 0; c < 16; ++c) _mm512_store_si512(dst + (16 * b + c) * kPackedGroup, r[c]);
+    if (!pair) break;
+    for (int t = 0; t < kPackedGroup; ++t) r[t] = _mm512_load_si512(spill[t]);
+    transpose16_epi32(r);
+    for (int c = 0; c < 16; ++c) {
+      _mm512_store_si512(dst + (16 * (b + 1) + c) * kPackedGroup, r[c]);
+    }
+  }
+}
+
+// w[r * w_stride + 16 g + i] = scale * q[r] . k[16 g + i] for NR query rows (bf16, stride D, in
+// the packed tile's order) and G groups of the packed tile (D / 2 * 16 dwords apart).
+template <int NR, int G, typename Step>
+[[gnu::always_inline]] inline void score_rows_packed(const uint16_t* __restrict q,
+                                                     const uint32_t* __restrict packed, int D,
+                                                     float scale, float* __restrict w,
+                                                     int w_stride, Step&& step) {
+  if (D <= 0) __builtin_unreachable();  // as in score_block
+  const int pairs = D / 2;
+  const uint32_t* qd = reinterpret_cast<const uint32_t*>(q);
+  __m512 acc[NR][G];
+  for (int r = 0; r < NR; ++r) {
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
+  }
+  for (int j = 0; j < pairs; ++j) {
+    if (j % kPackedStepPairs == 0) step();
+    __m512i k[G];
+    for (int g = 0; g < G; ++g) k[g] = _mm512_load_si512(packed + (g * pairs + j) * kPackedGroup);
+    for (int r = 0; r < NR; ++r) {
+      for (int g = 0; g < G; ++g) acc[r][g] = vdot_bf16_bcast(acc[r][g], k[g], qd + r * pairs + j);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int r = 0; r < NR; ++r) {
+    for (int g = 0; g < G; ++g) {
+      _mm512_storeu_ps(w + r * w_stride + kPackedGroup * g, _mm512_mul_ps(acc[r][g], s));
+    }
+  }
+}
 #endif
 
 // The cache lines of the next tile, asked for a few at a time while the current one is worked
@@ -880,6 +954,12 @@ class CpuPagedAttention {
     }
 #if PAGEDSPEC_CPU_LEVEL == 2
     const std::optional<Fp8ImageLookup> lookup = fp8_lookup(ws, ws.kreader);
+    if constexpr (kDotCapable) {
+      if (ws.dot && R >= kPackedMinRows) {
+        score_tile_packed(task, ws, dot_krows, lookup ? &*lookup : nullptr, pf);
+        return;
+      }
+    }
 #endif
     // One score block: through the dot path or the FMA path.
     const auto block = [&](auto NR, auto NT, int r0, int t, float* out) {
@@ -924,6 +1004,69 @@ class CpuPagedAttention {
     }
   }
 
+#if PAGEDSPEC_CPU_LEVEL == 2
+  // score_tile on the dot path through a packed K tile (pack_key_group, score_rows_packed): the
+  // rows in blocks of 8 (then 4), a block padded with the rows after it (the workspace holds
+  // kMaxRows; their scores are never read), over the groups its last row sees. K rows are the
+  // bf16 rows `krows` (a bf16 cache's, or an FP8 cache's images), or with `lookup` FP8 codes
+  // converted in registers into the queries' lane order (fp8_images_in_lanes). The prefetch
+  // steps (tile_steps) run inside the score loops, spread over all the row blocks: issued
+  // among the packing's loads they stalled it, and the path gained 14% less (bench/NOTES.md).
+  void score_tile_packed(const Task& task, Workspace& ws, const uint16_t* const* krows,
+                         const Fp8ImageLookup* lookup, TilePrefetch& pf) const {
+    static_assert(kTile <= 2 * kPackedGroup, "score_rows_packed takes one or two groups");
+    static_assert(kMaxRows % 8 == 0, "padded row blocks stay inside the workspace");
+    const int D = p_.head_size;
+    const int R = task.num_rows;
+    const int n = ws.visible[R - 1];
+    const int group_dwords = D / 2 * kPackedGroup;
+    static thread_local std::vector<uint32_t, LineAligned<uint32_t>> packed;
+    packed.resize(size_t(2) * group_dwords);
+    const auto step = [&] { pf.step(); };
+    for (int g = 0; g * kPackedGroup < n; ++g) {
+      const int rows = std::min(kPackedGroup, n - g * kPackedGroup);
+      uint32_t* dst = packed.data() + g * group_dwords;
+      if (lookup != nullptr) {
+        const uint8_t* const* codes = as_codes(ws.krows) + g * kPackedGroup;
+        pack_key_group(rows, D, dst, [&](int t, int k, __m512i& lo, __m512i& hi, bool) {
+          fp8_images_in_lanes(_mm512_loadu_si512(codes[t] + 64 * k), *lookup, lo, hi);
+        });
+      } else {
+        const uint16_t* const* k_rows = krows + g * kPackedGroup;
+        pack_key_group(rows, D, dst, [&](int t, int k, __m512i& lo, __m512i& hi, bool pair) {
+          lo = _mm512_loadu_si512(k_rows[t] + 64 * k);
+          if (pair) hi = _mm512_loadu_si512(k_rows[t] + 64 * k + 32);
+        });
+      }
+    }
+    const float scale = score_scale(task.kv_head);
+    for (int r0 = 0; r0 < R;) {
+      const int nr = R - r0 > 4 ? 8 : 4;
+      const bool two = ws.visible[std::min(R, r0 + nr) - 1] > kPackedGroup;
+      const uint16_t* q = ws.q_bf16.data() + size_t(r0) * D;
+      float* w = ws.w.data() + r0 * kTile;
+      if (nr == 8) {
+        two ? score_rows_packed<8, 2>(q, packed.data(), D, scale, w, kTile, step)
+            : score_rows_packed<8, 1>(q, packed.data(), D, scale, w, kTile, step);
+      } else {
+        two ? score_rows_packed<4, 2>(q, packed.data(), D, scale, w, kTile, step)
+            : score_rows_packed<4, 1>(q, packed.data(), D, scale, w, kTile, step);
+      }
+      r0 += nr;
+    }
+  }
+#endif
+
+  // The pf.step() calls attend_tile makes for one head's R rows on an n-position tile: one per
+  // position, or score_tile_packed's, one per kPackedStepPairs pairs of each row block.
+  int tile_steps(int R, int n) const {
+    if (kDotCapable && bf16_dot_ && !use_amx(R) && R >= kPackedMinRows) {
+      const int blocks = (R + 7) / 8;
+      return blocks * ((p_.head_size / 2 + kPackedStepPairs - 1) / kPackedStepPairs);
+    }
+    return n;
+  }
+
   template <typename Fn>
   static void with_rows(int nr, Fn&& fn) {
     static_assert(kRowBlock <= 5, "with_rows dispatches blocks of up to 5 rows");
@@ -963,7 +1106,7 @@ class CpuPagedAttention {
     if (!first_prefetched) prefetch_first_tile(pf, item);
     for (int start = item.pos_begin; start < pos_end; start += kTile) {
       const int n = std::min(kTile, pos_end - start);
-      plan_after_tile(pf, item, next, start, pos_end, n * HK);  // score_tile's steps, about
+      plan_after_tile(pf, item, next, start, pos_end, HK * tile_steps(item.num_rows, n));
       for (int h = 0; h < HK; ++h) {
         attend_tile(with_head(item, item.kv_head + h), heads[h], start, n, pf);
       }

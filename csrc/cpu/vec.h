@@ -471,6 +471,41 @@ inline __m512 vdot_bf16(__m512 acc, __m512i a, __m512i b) {
   asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
   return acc;
 }
+// vdot_bf16 against the bf16 pair at `pair` in every lane: an embedded broadcast, so the pair
+// costs no instruction of its own.
+inline __m512 vdot_bf16_bcast(__m512 acc, __m512i a, const uint32_t* pair) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*pair));
+  return acc;
+}
+
+// A 16 x 16 matrix of 32-bit elements transposed in registers: lane c of r[i] becomes lane i of
+// r[c]. 64 shuffles: 32- and 64-bit unpacks leave, in each 128-bit lane L of vector 4 i + k,
+// column 4 L + k of rows 4 i .. 4 i + 3; two rounds of 128-bit block shuffles then transpose the
+// 4 x 4 blocks of each k.
+[[gnu::always_inline]] inline void transpose16_epi32(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i x0 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0x44);
+    const __m512i x1 = _mm512_shuffle_i32x4(r[k], r[4 + k], 0xEE);
+    const __m512i x2 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0x44);
+    const __m512i x3 = _mm512_shuffle_i32x4(r[8 + k], r[12 + k], 0xEE);
+    t[k] = _mm512_shuffle_i32x4(x0, x2, 0x88);      // column k
+    t[4 + k] = _mm512_shuffle_i32x4(x0, x2, 0xDD);  // column 4 + k
+    t[8 + k] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+    t[12 + k] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
 
 // AVX512-VBMI byte permutes, in asm for the same reason (the avx512 level does not assume VBMI;
 // only code behind cpu_avx512_vbmi() executes them). permute_bytes: byte i of the result is
