@@ -527,7 +527,6 @@ template <int NR, int G, typename Step>
                                                      int w_stride, Step&& step) {
   if (D <= 0) __builtin_unreachable();  // as in score_block
   const int pairs = D / 2;
-  const uint32_t* qd = reinterpret_cast<const uint32_t*>(q);
   __m512 acc[NR][G];
   for (int r = 0; r < NR; ++r) {
     for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
@@ -537,7 +536,7 @@ template <int NR, int G, typename Step>
     __m512i k[G];
     for (int g = 0; g < G; ++g) k[g] = _mm512_load_si512(packed + (g * pairs + j) * kPackedGroup);
     for (int r = 0; r < NR; ++r) {
-      for (int g = 0; g < G; ++g) acc[r][g] = vdot_bf16_bcast(acc[r][g], k[g], qd + r * pairs + j);
+      for (int g = 0; g < G; ++g) acc[r][g] = vdot_bf16_bcast(acc[r][g], k[g], q + r * D + 2 * j);
     }
   }
   const __m512 s = _mm512_set1_ps(scale);
@@ -545,6 +544,35 @@ template <int NR, int G, typename Step>
     for (int g = 0; g < G; ++g) {
       _mm512_storeu_ps(w + r * w_stride + kPackedGroup * g, _mm512_mul_ps(acc[r][g], s));
     }
+  }
+}
+
+// P.V for the same tasks on a tile every row sees whole (accumulate_tile_packed): the V rows of
+// each position pair interleaved once for all the rows into the vectors accumulate_span_dot and
+// accumulate_block_fp8_dot build per block of 4 rows (so the accumulators keep their layout), then
+// acc[r] (stride D) [d0, d0 + 16 NV) += sum over pairs p of (w[r][2p], w[r][2p + 1]) . vector
+// d0 / 16 + j of pair p, for NR rows (w: bf16 weights, stride w_stride; vectors: D / 16 per pair).
+template <int NR, int NV>
+[[gnu::always_inline]] inline void accumulate_paired_values(float* __restrict acc,
+                                                            const uint16_t* __restrict w,
+                                                            int w_stride,
+                                                            const __m512i* __restrict vectors,
+                                                            int pairs, int D, int d0) {
+  if (pairs <= 0) __builtin_unreachable();
+  const int per_pair = D / 16;
+  __m512 a[NR][NV];
+  for (int r = 0; r < NR; ++r) {
+    for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc + r * D + d0 + 16 * j);
+  }
+  for (int p = 0; p < pairs; ++p) {
+    __m512i v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = _mm512_load_si512(vectors + p * per_pair + d0 / 16 + j);
+    for (int r = 0; r < NR; ++r) {
+      for (int j = 0; j < NV; ++j) a[r][j] = vdot_bf16_bcast(a[r][j], v[j], w + r * w_stride + 2 * p);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + r * D + d0 + 16 * j, a[r][j]);
   }
 }
 #endif
@@ -1287,6 +1315,12 @@ class CpuPagedAttention {
         }
       }
     }
+    if constexpr (kDotCapable) {
+      if (ws.dot && R >= kPackedMinRows && ws.visible[0] == n) {
+        accumulate_tile_packed(ws, R, n);
+        return;
+      }
+    }
 #endif
     if (ws.amx && n == kTile && ws.visible[0] == kTile) {
       // Every row sees the whole tile (rows ascend, so the first sees the least): no position
@@ -1301,6 +1335,57 @@ class CpuPagedAttention {
       }
     }
   }
+
+#if PAGEDSPEC_CPU_LEVEL == 2
+  // P.V on the dot path for a task of kPackedMinRows rows or more on an n-position tile that
+  // every row sees whole (the causal tail stays on accumulate_rows): each position pair's V
+  // vectors built once (an odd last position pairs with zeros and with the zero weight that
+  // exp2_weights leaves after it), then blocks of 8 rows (then 4, padded as in
+  // score_tile_packed) x 32 dimensions. The blocks of 4 rows rebuilt the pairs for every block.
+  void accumulate_tile_packed(Workspace& ws, int R, int n) const {
+    const int D = p_.head_size;
+    const int pairs = (n + 1) / 2;
+    const int per_pair = D / 16;
+    static thread_local std::vector<__m512i, LineAligned<__m512i>> paired;
+    paired.resize(size_t(kTile / 2) * per_pair);
+    const std::optional<Fp8ImageLookup> lookup = fp8_lookup(ws, ws.vreader);
+    for (int p = 0; p < pairs; ++p) {
+      const int t = 2 * p;
+      const bool pair = t + 1 < n;
+      __m512i* out = paired.data() + p * per_pair;
+      if constexpr (F != CacheFormat::kNative) {
+        if (lookup) {  // codes converted in registers (ws.dot_fp8)
+          const uint8_t* const* codes = as_codes(ws.vrows);
+          for (int d0 = 0; d0 < D; d0 += 64) {
+            const __m512i c0 = _mm512_loadu_si512(codes[t] + d0);
+            const __m512i c1 = pair ? _mm512_loadu_si512(codes[t + 1] + d0) : _mm512_setzero_si512();
+            __m512i* o = out + d0 / 16;
+            fp8_images_in_lanes(_mm512_unpacklo_epi8(c0, c1), *lookup, o[0], o[1]);
+            fp8_images_in_lanes(_mm512_unpackhi_epi8(c0, c1), *lookup, o[2], o[3]);
+          }
+          continue;
+        }
+      }
+      const uint16_t* const* rows = ws.dot_vrows;
+      for (int c = 0; c < D / 32; ++c) {
+        const __m512i v0 = _mm512_loadu_si512(rows[t] + 32 * c);
+        const __m512i v1 = pair ? _mm512_loadu_si512(rows[t + 1] + 32 * c) : _mm512_setzero_si512();
+        out[2 * c] = _mm512_unpacklo_epi16(v0, v1);
+        out[2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
+      }
+    }
+    for (int r0 = 0; r0 < R;) {
+      const int nr = R - r0 > 4 ? 8 : 4;
+      float* acc = ws.acc.data() + size_t(r0) * D;
+      const uint16_t* w = ws.w_bf16.data() + r0 * kTile;
+      for (int d0 = 0; d0 < D; d0 += 32) {
+        nr == 8 ? accumulate_paired_values<8, 2>(acc, w, kTile, paired.data(), pairs, D, d0)
+                : accumulate_paired_values<4, 2>(acc, w, kTile, paired.data(), pairs, D, d0);
+      }
+      r0 += nr;
+    }
+  }
+#endif
 
   // A head's rows after its last tile: accumulators back in dimension order.
   void end_head(const Task& task, Workspace& ws) const {

@@ -471,10 +471,14 @@ inline __m512 vdot_bf16(__m512 acc, __m512i a, __m512i b) {
   asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
   return acc;
 }
-// vdot_bf16 against the bf16 pair at `pair` in every lane: an embedded broadcast, so the pair
-// costs no instruction of its own.
-inline __m512 vdot_bf16_bcast(__m512 acc, __m512i a, const uint32_t* pair) {
-  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*pair));
+// vdot_bf16 against the two bf16 at `pair` in every lane: an embedded broadcast, so the pair
+// costs no instruction of its own. `pair` points into bf16 data written as 16-bit elements, so
+// it is read through a type that may alias them.
+typedef uint32_t __attribute__((may_alias)) Bf16PairBits;
+inline __m512 vdot_bf16_bcast(__m512 acc, __m512i a, const uint16_t* pair) {
+  asm("vdpbf16ps %2%{1to16%}, %1, %0"
+      : "+v"(acc)
+      : "v"(a), "m"(*reinterpret_cast<const Bf16PairBits*>(pair)));
   return acc;
 }
 
