@@ -17,7 +17,10 @@
 // On the AVX-512 level, bf16 tasks may instead score and accumulate with AMX tile multiplies
 // (cpu/amx.h, AMX machines: the decode path, accumulators kept in tile layout, for decode and
 // verification rows at head sizes up to 128; the many-row path above that) or with AVX512-BF16
-// dot products (cpu_bf16_dot).
+// dot products (cpu_bf16_dot): 4 x 4 blocks for decode, and for tasks of kPackedMinRows rows
+// or more (verification, wide GQA groups) a K tile packed pair-major once for all the rows
+// (score_tile_packed, scores in lanes position by position) and V pairs built once per tile
+// (accumulate_tile_packed).
 //
 // The work comes from a split-KV plan (attention_plan.h): one task per (item, KV head); items of
 // split sequences write a partial (acc, max, sum), merged afterwards with merge_softmax.
