@@ -186,8 +186,8 @@ def test_bf16_dot_path_matches_reference(gen, monkeypatch, dot, variant, q_lens,
     with AMX off so that every task takes the path asked for. Head size 96 leaves a 32-wide span
     after the 64-wide ones; odd visible counts pair the last position with zero. Tasks of 8 rows
     and more score against a packed K tile in blocks of 8 and 4 rows (20 = 8 + 8 + 4, 12 = 8 + 4,
-    a 52-row draft as 32 + 20), over one or two 16-position groups (a 5- or 19-token sequence
-    gives the first tile fewer than 16)."""
+    a 52-row draft as 32 + 20), over one or two 16-position groups (a 5-token sequence gives its
+    one tile fewer than 16 positions, a 19-token one a second group of 3)."""
     if dot == "1" and not HAS_BF16_DOT:
         pytest.skip("this CPU has no AVX512-BF16 with AVX512-VBMI")
     if "avx512" not in INFO["cpu_isa_supported"]:
@@ -234,7 +234,7 @@ def test_bf16_dot_path_is_taken_and_isolates(gen, monkeypatch, cache_dtype, head
     """The dot and FMA paths round differently, so equal outputs would mean the dot path never
     ran; and a later draft token's K and V set to NaN leave the earlier tokens bit-identical on
     it. On FP8 caches head size 128 converts the codes in registers, 96 through bf16 image rows;
-    the drafts give tasks of 20 rows (5 score blocks) and of 4 (one)."""
+    the drafts give tasks of 20 rows (the packed K tile and V pairs) and of 4 (one score block)."""
     monkeypatch.setenv("PAGEDSPEC_CPU_ISA", "avx512")
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")
     num_heads, num_kv_heads = heads

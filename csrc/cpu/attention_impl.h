@@ -786,7 +786,8 @@ class CpuPagedAttention {
   // thread, shared by all heads, since every path consumes a head's images before it converts
   // the next head's. Per-head pairs (16 KB a head at D = 128, 8 heads to a decode task) left L1
   // and made every image store a miss, and a vector's 16-byte alignment split each 64-byte row
-  // access across two lines: FP8 decode at B=8 ctx=2048 took 4.3-4.8 ms against 3.0-3.3.
+  // access across two lines: FP8 decode at B=8 ctx=2048 on SPR-VM's AMX path took 4.3-4.8 ms
+  // against 3.0-3.3.
   enum class Operand { kKeys, kValues };
   struct TileImages {
     std::vector<uint16_t, LineAligned<uint16_t>> k, v;
@@ -1042,7 +1043,8 @@ class CpuPagedAttention {
   // bf16 rows `krows` (a bf16 cache's, or an FP8 cache's images), or with `lookup` FP8 codes
   // converted in registers into the queries' lane order (fp8_images_in_lanes). The prefetch
   // steps (tile_steps) run inside the score loops, spread over all the row blocks: issued
-  // among the packing's loads they stalled it, and the path gained 14% less (bench/NOTES.md).
+  // among the packing's row loads, one per row, they left the path next to no gain
+  // (bench/NOTES.md).
   void score_tile_packed(const Task& task, Workspace& ws, const uint16_t* const* krows,
                          const Fp8ImageLookup* lookup, TilePrefetch& pf) const {
     static_assert(kTile <= 2 * kPackedGroup, "score_rows_packed takes one or two groups");
