@@ -1351,13 +1351,14 @@ class CpuPagedAttention {
     const int D = p_.head_size;
     const int pairs = (n + 1) / 2;
     const int per_pair = D / 16;
-    static thread_local std::vector<__m512i, LineAligned<__m512i>> paired;
-    paired.resize(size_t(kTile / 2) * per_pair);
+    static thread_local std::vector<uint32_t, LineAligned<uint32_t>> storage;
+    storage.resize(size_t(kTile / 2) * per_pair * 16);
+    __m512i* paired = reinterpret_cast<__m512i*>(storage.data());  // [pairs][D / 16] vectors
     const std::optional<Fp8ImageLookup> lookup = fp8_lookup(ws, ws.vreader);
     for (int p = 0; p < pairs; ++p) {
       const int t = 2 * p;
       const bool pair = t + 1 < n;
-      __m512i* out = paired.data() + p * per_pair;
+      __m512i* out = paired + p * per_pair;
       if constexpr (F != CacheFormat::kNative) {
         if (lookup) {  // codes converted in registers (ws.dot_fp8)
           const uint8_t* const* codes = as_codes(ws.vrows);
@@ -1384,8 +1385,8 @@ class CpuPagedAttention {
       float* acc = ws.acc.data() + size_t(r0) * D;
       const uint16_t* w = ws.w_bf16.data() + r0 * kTile;
       for (int d0 = 0; d0 < D; d0 += 32) {
-        nr == 8 ? accumulate_paired_values<8, 2>(acc, w, kTile, paired.data(), pairs, D, d0)
-                : accumulate_paired_values<4, 2>(acc, w, kTile, paired.data(), pairs, D, d0);
+        nr == 8 ? accumulate_paired_values<8, 2>(acc, w, kTile, paired, pairs, D, d0)
+                : accumulate_paired_values<4, 2>(acc, w, kTile, paired, pairs, D, d0);
       }
       r0 += nr;
     }
