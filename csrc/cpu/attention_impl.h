@@ -303,6 +303,16 @@ inline void dot_to_natural(float* __restrict row, int D) {
   }
 }
 
+// The dot path's value vectors of positions t and t + 1 from bf16 rows v (t alone if !pair, its
+// partner read as zeros): dimensions [d, d + 32) as out[0] (unpacklo) and out[1] (unpackhi).
+[[gnu::always_inline]] inline void bf16_value_pair(const uint16_t* const* v, int t, bool pair,
+                                                   int d, __m512i* out) {
+  const __m512i v0 = _mm512_loadu_si512(v[t] + d);
+  const __m512i v1 = pair ? _mm512_loadu_si512(v[t + 1] + d) : _mm512_setzero_si512();
+  out[0] = _mm512_unpacklo_epi16(v0, v1);
+  out[1] = _mm512_unpackhi_epi16(v0, v1);
+}
+
 // accumulate_pairs_dot over bf16 rows: spans of 64 dimensions (4 rows x 4 accumulators), then 32.
 template <int NR, int C>
 [[gnu::always_inline]] inline void accumulate_span_dot(float* __restrict acc,
@@ -310,12 +320,7 @@ template <int NR, int C>
                                                        const uint16_t* const* v, int n, int D,
                                                        int w_stride, int d0) {
   accumulate_pairs_dot<NR, 2 * C>(acc, w, n, D, w_stride, d0, [&](int t, bool pair, __m512i* out) {
-    for (int c = 0; c < C; ++c) {
-      const __m512i v0 = _mm512_loadu_si512(v[t] + d0 + 32 * c);
-      const __m512i v1 = pair ? _mm512_loadu_si512(v[t + 1] + d0 + 32 * c) : _mm512_setzero_si512();
-      out[2 * c] = _mm512_unpacklo_epi16(v0, v1);
-      out[2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
-    }
+    for (int c = 0; c < C; ++c) bf16_value_pair(v, t, pair, d0 + 32 * c, out + 2 * c);
   });
 }
 template <int NR>
@@ -450,20 +455,28 @@ template <int NR, int NT>
   store_dot_scores(acc, scale, out);
 }
 
-// accumulate_pairs_dot on FP8 V rows (D a multiple of 64), 64 dimensions at a time: the codes of
-// positions t and t + 1 interleaved byte by byte, then converted (fp8_images_in_lanes), so each
-// 32-bit lane pairs their images of one dimension; an odd last position pairs with code 0 (+0).
-// Vector k's 128-bit lane L holds dimensions 16 L + 4 k .. + 3; fp8_dot_to_natural reorders.
+// The dot path's value vectors of positions t and t + 1 from FP8 rows v (t alone if !pair, its
+// partner read as code 0, +0): dimensions [d, d + 64) as out[0..3], the codes interleaved byte by
+// byte, then converted (fp8_images_in_lanes), so each 32-bit lane pairs their images of one
+// dimension.
+[[gnu::always_inline]] inline void fp8_value_pair(const uint8_t* const* v, int t, bool pair, int d,
+                                                  const Fp8ImageLookup& lookup, __m512i* out) {
+  const __m512i c0 = _mm512_loadu_si512(v[t] + d);
+  const __m512i c1 = pair ? _mm512_loadu_si512(v[t + 1] + d) : _mm512_setzero_si512();
+  fp8_images_in_lanes(_mm512_unpacklo_epi8(c0, c1), lookup, out[0], out[1]);
+  fp8_images_in_lanes(_mm512_unpackhi_epi8(c0, c1), lookup, out[2], out[3]);
+}
+
+// accumulate_pairs_dot on FP8 V rows (D a multiple of 64), 64 dimensions at a time through
+// fp8_value_pair. Vector k's 128-bit lane L holds dimensions 16 L + 4 k .. + 3;
+// fp8_dot_to_natural reorders.
 template <int NR>
 inline void accumulate_block_fp8_dot(float* __restrict acc, const uint16_t* __restrict w,
                                      const uint8_t* const* v, int n, int D, int w_stride,
                                      const Fp8ImageLookup& lookup) {
   for (int d0 = 0; d0 < D; d0 += 64) {
     accumulate_pairs_dot<NR, 4>(acc, w, n, D, w_stride, d0, [&](int t, bool pair, __m512i* out) {
-      const __m512i c0 = _mm512_loadu_si512(v[t] + d0);
-      const __m512i c1 = pair ? _mm512_loadu_si512(v[t + 1] + d0) : _mm512_setzero_si512();
-      fp8_images_in_lanes(_mm512_unpacklo_epi8(c0, c1), lookup, out[0], out[1]);
-      fp8_images_in_lanes(_mm512_unpackhi_epi8(c0, c1), lookup, out[2], out[3]);
+      fp8_value_pair(v, t, pair, d0, lookup, out);
     });
   }
 }
@@ -1074,7 +1087,7 @@ class CpuPagedAttention {
     }
     const float scale = score_scale(task.kv_head);
     for (int r0 = 0; r0 < R;) {
-      const int nr = R - r0 > 4 ? 8 : 4;
+      const int nr = packed_block_rows(R - r0);
       const bool two = ws.visible[std::min(R, r0 + nr) - 1] > kPackedGroup;
       const uint16_t* q = ws.q_bf16.data() + size_t(r0) * D;
       float* w = ws.w.data() + r0 * kTile;
@@ -1089,6 +1102,10 @@ class CpuPagedAttention {
     }
   }
 #endif
+
+  // The rows of the packed paths' next block when `left` rows remain: 8, and a last block of 4
+  // where 4 or fewer remain (padded up to it), so R rows take ceil(R / 8) blocks.
+  static int packed_block_rows(int left) { return left > 4 ? 8 : 4; }
 
   // The pf.step() calls attend_tile makes for one head's R rows on an n-position tile: one per
   // position, or score_tile_packed's, one per kPackedStepPairs pairs of each row block.
@@ -1361,27 +1378,16 @@ class CpuPagedAttention {
       __m512i* out = paired + p * per_pair;
       if constexpr (F != CacheFormat::kNative) {
         if (lookup) {  // codes converted in registers (ws.dot_fp8)
-          const uint8_t* const* codes = as_codes(ws.vrows);
-          for (int d0 = 0; d0 < D; d0 += 64) {
-            const __m512i c0 = _mm512_loadu_si512(codes[t] + d0);
-            const __m512i c1 = pair ? _mm512_loadu_si512(codes[t + 1] + d0) : _mm512_setzero_si512();
-            __m512i* o = out + d0 / 16;
-            fp8_images_in_lanes(_mm512_unpacklo_epi8(c0, c1), *lookup, o[0], o[1]);
-            fp8_images_in_lanes(_mm512_unpackhi_epi8(c0, c1), *lookup, o[2], o[3]);
+          for (int d = 0; d < D; d += 64) {
+            fp8_value_pair(as_codes(ws.vrows), t, pair, d, *lookup, out + d / 16);
           }
           continue;
         }
       }
-      const uint16_t* const* rows = ws.dot_vrows;
-      for (int c = 0; c < D / 32; ++c) {
-        const __m512i v0 = _mm512_loadu_si512(rows[t] + 32 * c);
-        const __m512i v1 = pair ? _mm512_loadu_si512(rows[t + 1] + 32 * c) : _mm512_setzero_si512();
-        out[2 * c] = _mm512_unpacklo_epi16(v0, v1);
-        out[2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
-      }
+      for (int d = 0; d < D; d += 32) bf16_value_pair(ws.dot_vrows, t, pair, d, out + d / 16);
     }
     for (int r0 = 0; r0 < R;) {
-      const int nr = R - r0 > 4 ? 8 : 4;
+      const int nr = packed_block_rows(R - r0);
       float* acc = ws.acc.data() + size_t(r0) * D;
       const uint16_t* w = ws.w_bf16.data() + r0 * kTile;
       for (int d0 = 0; d0 < D; d0 += 32) {
