@@ -128,13 +128,14 @@ template <int NR, int NT, typename CacheT, CacheFormat F>
 // acc[r][d0 .. d0 + C * kRegLanes) += sum_t w[r][t] * v[t][same] for NR rows: NR x C
 // accumulators stay in registers across the n value rows, so each weight is broadcast once per
 // C vectors and each V vector is decoded once for all NR rows. With few accumulators a second set
-// (odd positions) keeps the FMA latency chains from limiting the loop.
-template <int NR, int C, typename CacheT, CacheFormat F>
+// (odd positions) keeps the FMA latency chains from limiting the loop. step() once per position
+// (PrefetchSteps).
+template <int NR, int C, typename CacheT, CacheFormat F, typename Step>
 [[gnu::always_inline]] inline void accumulate_span(float* __restrict acc,
                                                    const float* __restrict w,
                                                    const CacheT* const* v,
                                                    const CacheReader<CacheT, F>& reader, int n,
-                                                   int D, int w_stride, int d0) {
+                                                   int D, int w_stride, int d0, Step&& step) {
   constexpr bool kTwoSets = NR * C < 8;
   rvec a[NR][C], b[NR][C];
   for (int r = 0; r < NR; ++r) {
@@ -146,6 +147,8 @@ template <int NR, int C, typename CacheT, CacheFormat F>
   int t = 0;
   if constexpr (kTwoSets) {
     for (; t + 2 <= n; t += 2) {
+      step();
+      step();
       rvec v0[C], v1[C];
       load_regs<C>(reader, v[t] + d0, v0);
       load_regs<C>(reader, v[t + 1] + d0, v1);
@@ -160,6 +163,7 @@ template <int NR, int C, typename CacheT, CacheFormat F>
     }
   }
   for (; t < n; ++t) {
+    step();
     rvec v0[C];
     load_regs<C>(reader, v[t] + d0, v0);
     for (int r = 0; r < NR; ++r) {
@@ -186,16 +190,16 @@ static_assert(kValueSpan == kScoreStep || PAGEDSPEC_CPU_LEVEL != 1,
 // acc[r] += sum_t w[r][t] * v[t] for NR rows (acc stride D, w stride w_stride) over n value rows
 // read straight from the cache, in spans of kValueSpan vectors (then single vectors for the rest
 // of D).
-template <int NR, typename CacheT, CacheFormat F>
+template <int NR, typename CacheT, CacheFormat F, typename Step>
 inline void accumulate_block(float* __restrict acc, const float* __restrict w,
                              const CacheT* const* v, const CacheReader<CacheT, F>& reader, int n,
-                             int D, int w_stride) {
+                             int D, int w_stride, Step&& step) {
   constexpr int kSpan = kValueSpan * kRegLanes;
   int d = 0;
   for (; d + kSpan <= D; d += kSpan) {
-    accumulate_span<NR, kValueSpan>(acc, w, v, reader, n, D, w_stride, d);
+    accumulate_span<NR, kValueSpan>(acc, w, v, reader, n, D, w_stride, d, step);
   }
-  for (; d < D; d += kRegLanes) accumulate_span<NR, 1>(acc, w, v, reader, n, D, w_stride, d);
+  for (; d < D; d += kRegLanes) accumulate_span<NR, 1>(acc, w, v, reader, n, D, w_stride, d, step);
 }
 
 #if PAGEDSPEC_CPU_LEVEL == 2
@@ -246,17 +250,17 @@ template <int NR, int NT>
 // w the weights as bf16 bits (stride w_stride); load_pairs(t, pair, vectors) gives the NV value
 // vectors of positions t and t + 1 (t alone if !pair: its partner must read as zeros). An odd last
 // position pairs with zeros and a zero weight: the row after it may be past a row's limit, so it is
-// never read.
-template <int NR, int NV, typename LoadPairs>
+// never read. step() once per position (PrefetchSteps).
+template <int NR, int NV, typename LoadPairs, typename Step>
 [[gnu::always_inline]] inline void accumulate_pairs_dot(float* __restrict acc,
                                                         const uint16_t* __restrict w, int n, int D,
                                                         int w_stride, int d0,
-                                                        LoadPairs&& load_pairs) {
+                                                        LoadPairs&& load_pairs, Step&& step) {
   __m512 a[NR][NV];
   for (int r = 0; r < NR; ++r) {
     for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc + r * D + d0 + 16 * j);
   }
-  const auto step = [&](int t, bool pair) {
+  const auto pair_step = [&](int t, bool pair) {
     __m512i vectors[NV];
     load_pairs(t, pair, vectors);
     for (int r = 0; r < NR; ++r) {
@@ -268,8 +272,15 @@ template <int NR, int NV, typename LoadPairs>
     }
   };
   int t = 0;
-  for (; t + 2 <= n; t += 2) step(t, true);
-  if (t < n) step(t, false);
+  for (; t + 2 <= n; t += 2) {
+    step();
+    step();
+    pair_step(t, true);
+  }
+  if (t < n) {
+    step();
+    pair_step(t, false);
+  }
   for (int r = 0; r < NR; ++r) {
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + r * D + d0 + 16 * j, a[r][j]);
   }
@@ -314,21 +325,25 @@ inline void dot_to_natural(float* __restrict row, int D) {
 }
 
 // accumulate_pairs_dot over bf16 rows: spans of 64 dimensions (4 rows x 4 accumulators), then 32.
-template <int NR, int C>
+template <int NR, int C, typename Step>
 [[gnu::always_inline]] inline void accumulate_span_dot(float* __restrict acc,
                                                        const uint16_t* __restrict w,
                                                        const uint16_t* const* v, int n, int D,
-                                                       int w_stride, int d0) {
-  accumulate_pairs_dot<NR, 2 * C>(acc, w, n, D, w_stride, d0, [&](int t, bool pair, __m512i* out) {
-    for (int c = 0; c < C; ++c) bf16_value_pair(v, t, pair, d0 + 32 * c, out + 2 * c);
-  });
+                                                       int w_stride, int d0, Step&& step) {
+  accumulate_pairs_dot<NR, 2 * C>(
+      acc, w, n, D, w_stride, d0,
+      [&](int t, bool pair, __m512i* out) {
+        for (int c = 0; c < C; ++c) bf16_value_pair(v, t, pair, d0 + 32 * c, out + 2 * c);
+      },
+      step);
 }
-template <int NR>
+template <int NR, typename Step>
 inline void accumulate_block_dot(float* __restrict acc, const uint16_t* __restrict w,
-                                 const uint16_t* const* v, int n, int D, int w_stride) {
+                                 const uint16_t* const* v, int n, int D, int w_stride,
+                                 Step&& step) {
   int d = 0;
-  for (; d + 64 <= D; d += 64) accumulate_span_dot<NR, 2>(acc, w, v, n, D, w_stride, d);
-  for (; d < D; d += 32) accumulate_span_dot<NR, 1>(acc, w, v, n, D, w_stride, d);
+  for (; d + 64 <= D; d += 64) accumulate_span_dot<NR, 2>(acc, w, v, n, D, w_stride, d, step);
+  for (; d < D; d += 32) accumulate_span_dot<NR, 1>(acc, w, v, n, D, w_stride, d, step);
 }
 
 // The bf16 bits of the 128 FP8 magnitudes' images (table[c]: code c's float32 image, as
@@ -470,14 +485,15 @@ template <int NR, int NT>
 // accumulate_pairs_dot on FP8 V rows (D a multiple of 64), 64 dimensions at a time through
 // fp8_value_pair. Vector k's 128-bit lane L holds dimensions 16 L + 4 k .. + 3;
 // fp8_dot_to_natural reorders.
-template <int NR>
+template <int NR, typename Step>
 inline void accumulate_block_fp8_dot(float* __restrict acc, const uint16_t* __restrict w,
                                      const uint8_t* const* v, int n, int D, int w_stride,
-                                     const Fp8ImageLookup& lookup) {
+                                     const Fp8ImageLookup& lookup, Step&& step) {
   for (int d0 = 0; d0 < D; d0 += 64) {
-    accumulate_pairs_dot<NR, 4>(acc, w, n, D, w_stride, d0, [&](int t, bool pair, __m512i* out) {
-      fp8_value_pair(v, t, pair, d0, lookup, out);
-    });
+    accumulate_pairs_dot<NR, 4>(
+        acc, w, n, D, w_stride, d0,
+        [&](int t, bool pair, __m512i* out) { fp8_value_pair(v, t, pair, d0, lookup, out); },
+        step);
   }
 }
 
@@ -651,12 +667,35 @@ struct TilePrefetch {
       if (cur >= end[run] && ++run < num_runs) cur = begin[run];
     }
   }
-  void step() { advance(lines_per_step); }
+  // advance(lines_per_step), inline where the lines stay in the current range: the steps run
+  // inside loops whose accumulators live in vector registers, which a call (every one of them
+  // caller-saved) would spill.
+  [[gnu::always_inline]] void step() {
+    if (run >= num_runs) return;
+    const char* p = reinterpret_cast<const char*>(cur);
+    if (cur + uintptr_t(64 * lines_per_step) >= end[run]) {
+      advance(lines_per_step);
+      return;
+    }
+    for (int i = 0; i < lines_per_step; ++i) {
+      __builtin_prefetch(p + 64 * i, 0, 2);
+      if (values) __builtin_prefetch(p + 64 * i + v_delta, 0, 2);
+    }
+    cur += uintptr_t(64 * lines_per_step);
+  }
   // step() as the AMX decode functions call it, between their tile operations.
   AmxPrefetchStep tile_step() {
     return AmxPrefetchStep{[](void* self) { static_cast<TilePrefetch*>(self)->step(); }, this};
   }
   void drain() { advance(INT64_MAX); }
+};
+
+// The P.V loops' prefetch steps: one per position and pass over D, or none (null).
+struct PrefetchSteps {
+  TilePrefetch* pf;
+  void operator()() const {
+    if (pf != nullptr) pf->step();
+  }
 };
 
 inline void scale_row(float* __restrict y, float a, int n) {
@@ -1107,14 +1146,27 @@ class CpuPagedAttention {
   // where 4 or fewer remain (padded up to it), so R rows take ceil(R / 8) blocks.
   static int packed_block_rows(int left) { return left > 4 ? 8 : 4; }
 
-  // The pf.step() calls attend_tile makes for one head's R rows on an n-position tile: one per
-  // position, or score_tile_packed's, one per kPackedStepPairs pairs of each row block.
+  // The pf.step() calls attend_tile makes for one head's R rows on an n-position tile:
+  // score_tile_packed's, one per kPackedStepPairs pairs of each row block; the AMX paths', one
+  // per position; else one per position of the first score block and one per position and pass
+  // over D (value_passes) of the first rows' P.V, so that the lines are asked for all through the
+  // tile. Without the P.V's share, prefetches came as bursts in the score loop and the memory sat
+  // idle through the P.V: float32 decode ran at about the sum of the two (bench/NOTES.md).
   int tile_steps(int R, int n) const {
-    if (kDotCapable && bf16_dot_ && !use_amx(R) && R >= kPackedMinRows) {
+    if (use_amx(R)) return n;
+    if (kDotCapable && bf16_dot_ && R >= kPackedMinRows) {
       const int blocks = (R + 7) / 8;
       return blocks * ((p_.head_size / 2 + kPackedStepPairs - 1) / kPackedStepPairs);
     }
-    return n;
+    return n * (1 + value_passes());
+  }
+  // accumulate_block's passes over D (spans of kValueSpan vectors, then single vectors), or
+  // the dot path's (64 dimensions, then 32; FP8 in registers: 64, D being a multiple).
+  int value_passes() const {
+    const int D = p_.head_size;
+    if (kDotCapable && bf16_dot_) return D / 64 + (D % 64) / 32;
+    constexpr int kSpan = kValueSpan * kRegLanes;
+    return D / kSpan + (D % kSpan) / kRegLanes;
   }
 
   template <typename Fn>
@@ -1353,7 +1405,7 @@ class CpuPagedAttention {
                      ws.acc.data());
     } else {
       for (int r0 = 0; r0 < R; r0 += kRowBlock) {
-        accumulate_rows(ws, r0, std::min(kRowBlock, R - r0));
+        accumulate_rows(ws, r0, std::min(kRowBlock, R - r0), pf);
       }
     }
   }
@@ -1425,7 +1477,9 @@ class CpuPagedAttention {
   // for exactly those rows: a position past a row's limit is never multiplied into it, not even by
   // a zero weight, so an inf or NaN in a later draft token's V cannot reach an earlier token
   // (the contract's Isolation).
-  void accumulate_rows(Workspace& ws, int r0, int nr) const {
+  // P.V of rows [r0, r0 + nr) per segment of positions that the same rows see; the first
+  // segment of the first rows makes the P.V share of the tile's prefetch steps (tile_steps).
+  void accumulate_rows(Workspace& ws, int r0, int nr, TilePrefetch& pf) const {
     const int D = p_.head_size;
 #if PAGEDSPEC_CPU_LEVEL == 2
     const std::optional<Fp8ImageLookup> lookup = fp8_lookup(ws, ws.vreader);
@@ -1435,6 +1489,7 @@ class CpuPagedAttention {
       const int end = ws.visible[r0 + i];
       if (end > begin) {
         const int row = r0 + i;
+        const PrefetchSteps step{r0 == 0 && begin == 0 ? &pf : nullptr};
         with_rows(nr - i, [&](auto NR) {
 #if PAGEDSPEC_CPU_LEVEL == 2
           if constexpr (kDotCapable) {
@@ -1443,20 +1498,20 @@ class CpuPagedAttention {
                 accumulate_block_fp8_dot<NR>(ws.acc.data() + size_t(row) * D,
                                              ws.w_bf16.data() + row * kTile + begin,
                                              as_codes(ws.vrows) + begin, end - begin, D, kTile,
-                                             *lookup);
+                                             *lookup, step);
                 return;
               }
             }
             if (ws.dot) {
               accumulate_block_dot<NR>(ws.acc.data() + size_t(row) * D,
                                        ws.w_bf16.data() + row * kTile + begin,
-                                       ws.dot_vrows + begin, end - begin, D, kTile);
+                                       ws.dot_vrows + begin, end - begin, D, kTile, step);
               return;
             }
           }
 #endif
           accumulate_block<NR>(ws.acc.data() + size_t(row) * D, ws.w.data() + row * kTile + begin,
-                               ws.vrows + begin, ws.vreader, end - begin, D, kTile);
+                               ws.vrows + begin, ws.vreader, end - begin, D, kTile, step);
         });
         begin = end;
       }
