@@ -82,14 +82,14 @@ constexpr int kScoreTokens = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 4;
 // of 16.
 constexpr int kScoreStep = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 1;
 
-// out[r * NT + t] = q[r] . k[t] for NR query rows (stride D) and NT key rows read straight from
+// out[r * out_stride + t] = q[r] . k[t] for NR query rows (stride D) and NT key rows read straight from
 // the cache: each key vector is decoded once for all NR rows, each query vector loaded once for
 // all NT keys. Always inlined: GCC's own choice flips with the size of the task loop around it,
 // and decode ran 4% slower as a call.
 template <int NR, int NT, typename CacheT, CacheFormat F>
 [[gnu::always_inline]] inline void score_block(const float* __restrict q, const CacheT* const* k,
                                                const CacheReader<CacheT, F>& reader, int D,
-                                               float* out) {
+                                               float* out, int out_stride) {
   // D > 0: told so that no path skips the loop with zeroed accumulators, which made GCC keep
   // all 16 in stack slots around the reduction (30 spill stores per block).
   if (D <= 0) __builtin_unreachable();
@@ -109,19 +109,26 @@ template <int NR, int NT, typename CacheT, CacheFormat F>
     }
   }
 #if PAGEDSPEC_CPU_LEVEL == 2
-  if constexpr (NR * NT == 16) {
-    _mm512_storeu_ps(out, sum16(&acc[0][0]));
+  if constexpr (NR == 4 && NT == 4) {
+    store_rows4x4(sum16(&acc[0][0]), out, out_stride);
     return;
   }
 #elif PAGEDSPEC_CPU_LEVEL == 1
-  if constexpr (NR * NT >= 8) {  // the first 8 sums at once (acc is row-major, as out)
-    _mm256_storeu_ps(out, sum8(&acc[0][0]));
-    for (int i = 8; i < NR * NT; ++i) out[i] = rsum((&acc[0][0])[i]);
+  if constexpr (NT == 2 && NR >= 4) {  // the first 4 rows' sums at once (acc is row-major)
+    const __m256 sums = sum8(&acc[0][0]);
+    const __m128 rows01 = _mm256_castps256_ps128(sums), rows23 = _mm256_extractf128_ps(sums, 1);
+    _mm_storel_pi(reinterpret_cast<__m64*>(out), rows01);
+    _mm_storeh_pi(reinterpret_cast<__m64*>(out + out_stride), rows01);
+    _mm_storel_pi(reinterpret_cast<__m64*>(out + 2 * out_stride), rows23);
+    _mm_storeh_pi(reinterpret_cast<__m64*>(out + 3 * out_stride), rows23);
+    for (int r = 4; r < NR; ++r) {
+      for (int t = 0; t < NT; ++t) out[r * out_stride + t] = rsum(acc[r][t]);
+    }
     return;
   }
 #endif
   for (int r = 0; r < NR; ++r) {
-    for (int t = 0; t < NT; ++t) out[r * NT + t] = rsum(acc[r][t]);
+    for (int t = 0; t < NT; ++t) out[r * out_stride + t] = rsum(acc[r][t]);
   }
 }
 
@@ -210,24 +217,24 @@ inline void accumulate_block(float* __restrict acc, const float* __restrict w,
 // multiple of 64, FP8 codes are converted in registers as they are read (score_block_fp8_dot,
 // accumulate_block_fp8_dot); otherwise through images in the workspace (fp8_images_as_bf16).
 
-// out[r * NT + t] = scale * sum over lanes of acc[r][t].
+// out[r * out_stride + t] = scale * sum over lanes of acc[r][t].
 template <int NR, int NT>
 [[gnu::always_inline]] inline void store_dot_scores(__m512 (&acc)[NR][NT], float scale,
-                                                    float* out) {
-  if constexpr (NR * NT == 16) {
-    _mm512_storeu_ps(out, _mm512_mul_ps(sum16(&acc[0][0]), _mm512_set1_ps(scale)));
+                                                    float* out, int out_stride) {
+  if constexpr (NR == 4 && NT == 4) {
+    store_rows4x4(_mm512_mul_ps(sum16(&acc[0][0]), _mm512_set1_ps(scale)), out, out_stride);
   } else {
     for (int r = 0; r < NR; ++r) {
-      for (int t = 0; t < NT; ++t) out[r * NT + t] = vsum(acc[r][t]) * scale;
+      for (int t = 0; t < NT; ++t) out[r * out_stride + t] = vsum(acc[r][t]) * scale;
     }
   }
 }
 
-// out[r * NT + t] = scale * q[r] . k[t] over raw bf16 rows (q stride D), as score_block.
+// out[r * out_stride + t] = scale * q[r] . k[t] over raw bf16 rows (q stride D), as score_block.
 template <int NR, int NT>
 [[gnu::always_inline]] inline void score_block_dot(const uint16_t* __restrict q,
                                                    const uint16_t* const* k, int D, float scale,
-                                                   float* out) {
+                                                   float* out, int out_stride) {
   if (D <= 0) __builtin_unreachable();  // as in score_block
   __m512 acc[NR][NT];
   for (int r = 0; r < NR; ++r) {
@@ -241,7 +248,7 @@ template <int NR, int NT>
       for (int t = 0; t < NT; ++t) acc[r][t] = vdot_bf16(acc[r][t], qv, kv[t]);
     }
   }
-  store_dot_scores(acc, scale, out);
+  store_dot_scores(acc, scale, out, out_stride);
 }
 
 // The dot path's accumulators pair two positions per lane: each 32-bit lane of a value vector
@@ -449,7 +456,8 @@ inline void fp8_lane_order_query(const uint16_t* q, int D, uint16_t* out) {
 template <int NR, int NT>
 [[gnu::always_inline]] inline void score_block_fp8_dot(const uint16_t* __restrict q,
                                                        const uint8_t* const* k, int D, float scale,
-                                                       const Fp8ImageLookup& lookup, float* out) {
+                                                       const Fp8ImageLookup& lookup, float* out,
+                                                       int out_stride) {
   if (D <= 0) __builtin_unreachable();  // as in score_block
   __m512 acc[NR][NT];
   for (int r = 0; r < NR; ++r) {
@@ -467,7 +475,7 @@ template <int NR, int NT>
       }
     }
   }
-  store_dot_scores(acc, scale, out);
+  store_dot_scores(acc, scale, out, out_stride);
 }
 
 // The dot path's value vectors of positions t and t + 1 from FP8 rows v (t alone if !pair, its
@@ -1052,37 +1060,34 @@ class CpuPagedAttention {
         const uint16_t* q = ws.q_bf16.data() + size_t(r0) * D;
         if constexpr (F != CacheFormat::kNative) {
           if (ws.dot_fp8) {
-            score_block_fp8_dot<NR, NT>(q, as_codes(ws.krows) + t, D, dot_scale, *lookup, out);
+            score_block_fp8_dot<NR, NT>(q, as_codes(ws.krows) + t, D, dot_scale, *lookup, out,
+                                        kTile);
             return;
           }
         }
         if (ws.dot) {
-          score_block_dot<NR, NT>(q, dot_krows + t, D, dot_scale, out);
+          score_block_dot<NR, NT>(q, dot_krows + t, D, dot_scale, out, kTile);
           return;
         }
       }
 #endif
-      score_block<NR, NT>(ws.q.data() + size_t(r0) * D, ws.krows + t, ws.kreader, D, out);
+      score_block<NR, NT>(ws.q.data() + size_t(r0) * D, ws.krows + t, ws.kreader, D, out, kTile);
     };
     for (int r0 = 0; r0 < R; r0 += kRowBlock) {
       const int nr = std::min(kRowBlock, R - r0);
       const int group_visible = ws.visible[r0 + nr - 1];
       with_rows(nr, [&](auto NR) {
-        float out[kRowBlock * kScoreTokens];
+        float* w = ws.w.data() + r0 * kTile;
         int t = 0;
         for (; t + kScoreTokens <= group_visible; t += kScoreTokens) {
           if (r0 == 0) {
             for (int i = 0; i < kScoreTokens; ++i) pf.step();
           }
-          block(NR, std::integral_constant<int, kScoreTokens>{}, r0, t, out);
-          for (int i = 0; i < NR; ++i) {
-            for (int j = 0; j < kScoreTokens; ++j) ws.w[(r0 + i) * kTile + t + j] = out[i * kScoreTokens + j];
-          }
+          block(NR, std::integral_constant<int, kScoreTokens>{}, r0, t, w + t);
         }
         for (; t < group_visible; ++t) {
           if (r0 == 0) pf.step();
-          block(NR, std::integral_constant<int, 1>{}, r0, t, out);
-          for (int i = 0; i < NR; ++i) ws.w[(r0 + i) * kTile + t] = out[i];
+          block(NR, std::integral_constant<int, 1>{}, r0, t, w + t);
         }
       });
     }

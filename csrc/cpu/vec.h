@@ -462,6 +462,16 @@ inline void quantize_fp8_row(const InT* __restrict in, uint8_t* __restrict out, 
   return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
 }
 
+// Lanes [4 r, 4 r + 4) of v to out + r * stride, r < 4: a 4 x 4 block of sums into its rows, one
+// 128-bit store each (not through a 64-byte buffer re-read by 16-byte loads, which the stores
+// cannot forward).
+[[gnu::always_inline]] inline void store_rows4x4(__m512 v, float* out, int stride) {
+  _mm_storeu_ps(out, _mm512_castps512_ps128(v));
+  _mm_storeu_ps(out + stride, _mm512_extractf32x4_ps(v, 1));
+  _mm_storeu_ps(out + 2 * stride, _mm512_extractf32x4_ps(v, 2));
+  _mm_storeu_ps(out + 3 * stride, _mm512_extractf32x4_ps(v, 3));
+}
+
 // acc lane i += a[2i] * b[2i] + a[2i + 1] * b[2i + 1] over the 32 bf16 of a and b: AVX512-BF16's
 // vdpbf16ps (the products are exact; denormal inputs and results are flushed to zero). Written in
 // asm so that the avx512 level's object is built without the avx512bf16 target, which would let
