@@ -7,6 +7,7 @@ test checks the bookkeeping invariants and also that each table really reads bac
 from __future__ import annotations
 
 import hashlib
+import sys
 from array import array
 
 import pytest
@@ -348,6 +349,69 @@ def test_fp8_pool_and_sizing():
     bm.append_slots(1, 1)
     bm.swap_out(0)
     kv.apply(bm.end_step())                                # FP8 copy and swap run
+
+
+def _anon_huge_kib(address):
+    """AnonHugePages (KiB) of this process's mapping that holds `address`."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1])
+    return 0
+
+
+def _thp_mode():
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "absent"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_cpu_caches_on_huge_pages_read_as_plain_ones(dtype):
+    """Each CPU cache starts at its huge-page offset (K aligned, V half a page past), is backed by
+    huge pages where the kernel offers them, and the ops read it exactly as a plain tensor."""
+    blocks, bs, heads, head = 256, 16, 4, 128                      # 4 MiB per bf16 cache
+    kv = KVCache(2, blocks, bs, heads, head, dtype, "cpu")
+    huge = 2 << 20
+    for k, v in zip(kv.key_caches, kv.value_caches):
+        assert k.shape == v.shape == (blocks, bs, heads, head) and k.dtype == v.dtype == dtype
+        assert k.is_contiguous() and v.is_contiguous()
+        assert k.data_ptr() % huge == 0 and v.data_ptr() % huge == huge // 2
+    plain_k = torch.randn(blocks, bs, heads, head).to(dtype)
+    plain_v = torch.randn(blocks, bs, heads, head).to(dtype)
+    kv.key_caches[1].copy_(plain_k)
+    kv.value_caches[1].copy_(plain_v)
+    if sys.platform.startswith("linux") and _thp_mode() in ("always", "madvise"):
+        assert _anon_huge_kib(kv.key_caches[1].data_ptr()) > 0
+        assert _anon_huge_kib(kv.value_caches[1].data_ptr()) > 0
+    tables = torch.randperm(blocks, dtype=torch.int32)[:64].view(2, 32)
+    seq_lens = torch.tensor([500, 77], dtype=torch.int32)
+    query = torch.randn(2, 4 * heads, head, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 1, 2], dtype=torch.int32)
+    one = torch.tensor(1.0) if dtype == torch.float8_e4m3fn else None
+    outs = []
+    for k, v in ((kv.key_caches[1], kv.value_caches[1]), (plain_k, plain_v)):
+        out = torch.empty_like(query)
+        ops.paged_attention(out, query, k, v, tables, seq_lens, cu, 1, head ** -0.5, one, one)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_small_caches_and_bad_offsets():
+    from pagedspec.engine.kv_cache import empty_on_huge_pages
+    small = empty_on_huge_pages((4, 8), torch.float32, 4096)       # under a huge page: plain
+    assert small.shape == (4, 8) and small.is_contiguous()
+    with pytest.raises(ValueError, match="offset must be a multiple of 4096"):
+        empty_on_huge_pages((1 << 20,), torch.float32, 100)
+    with pytest.raises(ValueError, match="offset"):
+        empty_on_huge_pages((1 << 20,), torch.float32, 2 << 20)
 
 
 # ---- stateful property test --------------------------------------------------------------------

@@ -2,6 +2,7 @@
 applied to them through :mod:`pagedspec.ops`."""
 from __future__ import annotations
 
+import mmap
 from typing import Sequence
 
 import torch
@@ -10,9 +11,49 @@ from pagedspec import ops
 from pagedspec.engine.block_manager import BlockOps
 
 
+HUGE_PAGE_BYTES = 2 << 20  # an x86-64 (and arm64 4 KiB-granule) transparent huge page
+
+
+def empty_on_huge_pages(shape: Sequence[int], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+    """An uninitialized contiguous CPU tensor in fresh anonymous memory that Linux is asked
+    (``MADV_HUGEPAGE``) to back with transparent huge pages, starting ``offset`` bytes (a multiple
+    of 4096 below ``HUGE_PAGE_BYTES``) past a huge-page boundary. Tensors under one huge page,
+    and systems without the advice, get ``torch.empty``.
+
+    Why: the attention kernels read a sequence's blocks scattered across the whole cache, so on
+    4 KiB pages a large cache misses the TLB on almost every block. Give the K and V caches of a
+    layer different offsets: on huge pages both would otherwise put a slot at the same low 21
+    address bits, and in one measurement that ran FP8 decode 20% slower than 4 KiB pages did
+    (bench/NOTES.md).
+    """
+    if offset % 4096 or not 0 <= offset < HUGE_PAGE_BYTES:
+        raise ValueError(f"empty_on_huge_pages: offset must be a multiple of 4096 in "
+                         f"[0, {HUGE_PAGE_BYTES}), got {offset}")
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    nbytes = numel * dtype.itemsize
+    if nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.empty(tuple(shape), dtype=dtype)
+    # Its own mapping, never touched before the advice (torch.empty may reuse malloc'd memory
+    # already faulted in on small pages); the tensor keeps the mapping alive.
+    region = mmap.mmap(-1, nbytes + offset + HUGE_PAGE_BYTES,
+                       flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory: no THP
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    aligned = (-raw.data_ptr()) % HUGE_PAGE_BYTES
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, aligned, offset + nbytes)
+    except OSError:
+        pass  # THP compiled out or refused: 4 KiB pages, same contents
+    start = aligned + offset
+    return raw[start:start + nbytes].view(dtype).view(tuple(shape))
+
+
 class KVCache:
     """The KV cache tensors of all layers in the contract's layout, ``[NB, BS, Hkv, D]`` each,
     plus CPU swap space (pinned when the cache is on a CUDA device, so swaps are one kernel).
+    On the CPU each cache is on transparent huge pages where Linux offers them
+    (:func:`empty_on_huge_pages`), the V caches half a huge page past the K caches' alignment.
 
     FP8 caches (``float8_e4m3fn`` / ``float8_e5m2``) carry one per-tensor scale per layer,
     ``k_scales[layer]`` / ``v_scales[layer]`` (float32 ``[]``, 1.0 until set): stored value =
@@ -26,10 +67,14 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_size)
         cpu_shape = (num_cpu_blocks, *shape[1:])
         pin = self.device.type == "cuda"
-        make = lambda: torch.empty(shape, dtype=dtype, device=self.device)  # noqa: E731
+        def make(offset: int) -> torch.Tensor:
+            if self.device.type == "cpu":
+                return empty_on_huge_pages(shape, dtype, offset)
+            return torch.empty(shape, dtype=dtype, device=self.device)
+
         make_cpu = lambda: torch.empty(cpu_shape, dtype=dtype, pin_memory=pin)  # noqa: E731
-        self.key_caches = [make() for _ in range(num_layers)]
-        self.value_caches = [make() for _ in range(num_layers)]
+        self.key_caches = [make(0) for _ in range(num_layers)]
+        self.value_caches = [make(HUGE_PAGE_BYTES // 2) for _ in range(num_layers)]
         self.cpu_key_caches = [make_cpu() for _ in range(num_layers)]
         self.cpu_value_caches = [make_cpu() for _ in range(num_layers)]
         self.dtype = dtype
