@@ -82,9 +82,9 @@ constexpr int kScoreTokens = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 4;
 // of 16.
 constexpr int kScoreStep = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 1;
 
-// out[r * out_stride + t] = q[r] . k[t] for NR query rows (stride D) and NT key rows read straight from
-// the cache: each key vector is decoded once for all NR rows, each query vector loaded once for
-// all NT keys. Always inlined: GCC's own choice flips with the size of the task loop around it,
+// out[r * out_stride + t] = q[r] . k[t] for NR query rows (stride D) and NT key rows read
+// straight from the cache: each key vector is decoded once for all NR rows, each query vector
+// loaded once for all NT keys. Always inlined: GCC's own choice flips with the size of the task loop around it,
 // and decode ran 4% slower as a call.
 template <int NR, int NT, typename CacheT, CacheFormat F>
 [[gnu::always_inline]] inline void score_block(const float* __restrict q, const CacheT* const* k,
@@ -1481,9 +1481,8 @@ class CpuPagedAttention {
   // segments [visible[i-1], visible[i]) that rows i .. nr - 1 all see. Each segment is accumulated
   // for exactly those rows: a position past a row's limit is never multiplied into it, not even by
   // a zero weight, so an inf or NaN in a later draft token's V cannot reach an earlier token
-  // (the contract's Isolation).
-  // P.V of rows [r0, r0 + nr) per segment of positions that the same rows see; the first
-  // segment of the first rows makes the P.V share of the tile's prefetch steps (tile_steps).
+  // (the contract's Isolation). The first segment of the first rows (r0 = 0) makes the P.V's
+  // share of the tile's prefetch steps (tile_steps).
   void accumulate_rows(Workspace& ws, int r0, int nr, TilePrefetch& pf) const {
     const int D = p_.head_size;
 #if PAGEDSPEC_CPU_LEVEL == 2
