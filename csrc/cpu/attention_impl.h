@@ -84,8 +84,8 @@ constexpr int kScoreStep = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 1;
 
 // out[r * out_stride + t] = q[r] . k[t] for NR query rows (stride D) and NT key rows read
 // straight from the cache: each key vector is decoded once for all NR rows, each query vector
-// loaded once for all NT keys. Always inlined: GCC's own choice flips with the size of the task loop around it,
-// and decode ran 4% slower as a call.
+// loaded once for all NT keys. Always inlined: GCC's own choice flips with the size of the task
+// loop around it, and decode ran 4% slower as a call.
 template <int NR, int NT, typename CacheT, CacheFormat F>
 [[gnu::always_inline]] inline void score_block(const float* __restrict q, const CacheT* const* k,
                                                const CacheReader<CacheT, F>& reader, int D,
@@ -115,12 +115,7 @@ template <int NR, int NT, typename CacheT, CacheFormat F>
   }
 #elif PAGEDSPEC_CPU_LEVEL == 1
   if constexpr (NT == 2 && NR >= 4) {  // the first 4 rows' sums at once (acc is row-major)
-    const __m256 sums = sum8(&acc[0][0]);
-    const __m128 rows01 = _mm256_castps256_ps128(sums), rows23 = _mm256_extractf128_ps(sums, 1);
-    _mm_storel_pi(reinterpret_cast<__m64*>(out), rows01);
-    _mm_storeh_pi(reinterpret_cast<__m64*>(out + out_stride), rows01);
-    _mm_storel_pi(reinterpret_cast<__m64*>(out + 2 * out_stride), rows23);
-    _mm_storeh_pi(reinterpret_cast<__m64*>(out + 3 * out_stride), rows23);
+    store_rows4x2(sum8(&acc[0][0]), out, out_stride);
     for (int r = 4; r < NR; ++r) {
       for (int t = 0; t < NT; ++t) out[r * out_stride + t] = rsum(acc[r][t]);
     }
@@ -655,22 +650,22 @@ struct TilePrefetch {
     run = 0;
     cur = num_runs > 0 ? begin[0] : 0;
   }
+  // Asks for the n lines from `cur` on, all inside the current range, and moves past them.
+  // One tight loop: per line, run checks cost more than the prefetches (callgrind: 12
+  // instructions a line).
+  [[gnu::always_inline]] void take(int64_t n) {
+    const char* p = reinterpret_cast<const char*>(cur);
+    for (int64_t i = 0; i < n; ++i) {
+      __builtin_prefetch(p + 64 * i, 0, 2);
+      if (values) __builtin_prefetch(p + 64 * i + v_delta, 0, 2);
+    }
+    cur += uintptr_t(64 * n);
+  }
   // Asks for up to `lines` more lines (of K, and of V if `values`).
   void advance(int64_t lines) {
     while (lines > 0 && run < num_runs) {
-      // The lines left in this range, one tight loop: per line, run checks cost more than the
-      // prefetches (callgrind: 12 instructions a line).
       const int64_t n = std::min(lines, int64_t(end[run] - cur + 63) / 64);
-      const char* p = reinterpret_cast<const char*>(cur);
-      if (values) {
-        for (int64_t i = 0; i < n; ++i) {
-          __builtin_prefetch(p + 64 * i, 0, 2);
-          __builtin_prefetch(p + 64 * i + v_delta, 0, 2);
-        }
-      } else {
-        for (int64_t i = 0; i < n; ++i) __builtin_prefetch(p + 64 * i, 0, 2);
-      }
-      cur += uintptr_t(64 * n);
+      take(n);
       lines -= n;
       if (cur >= end[run] && ++run < num_runs) cur = begin[run];
     }
@@ -680,16 +675,11 @@ struct TilePrefetch {
   // caller-saved) would spill.
   [[gnu::always_inline]] void step() {
     if (run >= num_runs) return;
-    const char* p = reinterpret_cast<const char*>(cur);
     if (cur + uintptr_t(64 * lines_per_step) >= end[run]) {
       advance(lines_per_step);
       return;
     }
-    for (int i = 0; i < lines_per_step; ++i) {
-      __builtin_prefetch(p + 64 * i, 0, 2);
-      if (values) __builtin_prefetch(p + 64 * i + v_delta, 0, 2);
-    }
-    cur += uintptr_t(64 * lines_per_step);
+    take(lines_per_step);
   }
   // step() as the AMX decode functions call it, between their tile operations.
   AmxPrefetchStep tile_step() {

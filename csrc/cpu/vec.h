@@ -225,6 +225,16 @@ inline __m256 sum8(const __m256* v) {
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+// Lanes [2 r, 2 r + 2) of v to out + r * stride, r < 4: a 4 x 2 block of sums into its rows (as
+// store_rows4x4 at AVX-512).
+[[gnu::always_inline]] inline void store_rows4x2(__m256 v, float* out, int stride) {
+  const __m128 rows01 = _mm256_castps256_ps128(v), rows23 = _mm256_extractf128_ps(v, 1);
+  _mm_storel_pi(reinterpret_cast<__m64*>(out), rows01);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(out + stride), rows01);
+  _mm_storel_pi(reinterpret_cast<__m64*>(out + 2 * stride), rows23);
+  _mm_storeh_pi(reinterpret_cast<__m64*>(out + 3 * stride), rows23);
+}
+
 inline __m256 bf16x8_to_float(__m128i bits) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }

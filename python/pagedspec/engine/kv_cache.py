@@ -2,6 +2,7 @@
 applied to them through :mod:`pagedspec.ops`."""
 from __future__ import annotations
 
+import math
 import mmap
 from typing import Sequence
 
@@ -29,10 +30,7 @@ def empty_on_huge_pages(shape: Sequence[int], dtype: torch.dtype, offset: int = 
     if offset % 4096 or not 0 <= offset < HUGE_PAGE_BYTES:
         raise ValueError(f"empty_on_huge_pages: offset must be a multiple of 4096 in "
                          f"[0, {HUGE_PAGE_BYTES}), got {offset}")
-    numel = 1
-    for size in shape:
-        numel *= int(size)
-    nbytes = numel * dtype.itemsize
+    nbytes = math.prod(int(size) for size in shape) * dtype.itemsize
     if nbytes < HUGE_PAGE_BYTES or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(tuple(shape), dtype=dtype)
     # Its own mapping, never touched before the advice (torch.empty may reuse malloc'd memory
