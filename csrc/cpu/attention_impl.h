@@ -17,10 +17,11 @@
 // On the AVX-512 level, bf16 tasks may instead score and accumulate with AMX tile multiplies
 // (cpu/amx.h, AMX machines: the decode path, accumulators kept in tile layout, for decode and
 // verification rows at head sizes up to 128; the many-row path above that) or with AVX512-BF16
-// dot products (cpu_bf16_dot): 4 x 4 blocks for decode, and for tasks of kPackedMinRows rows
-// or more (verification, wide GQA groups) a K tile packed pair-major once for all the rows
-// (score_tile_packed, scores in lanes position by position) and V pairs built once per tile
-// (accumulate_tile_packed).
+// dot products (cpu_bf16_dot): row pairs in the lanes of 256-bit products for decode
+// (score_tile_lanes; 4 x 4 blocks on FP8 codes converted in registers), and for tasks of
+// kPackedMinRows rows or more (verification, wide GQA groups) a K tile packed pair-major once
+// for all the rows (score_tile_packed, scores in lanes position by position) and V pairs built
+// once per tile (accumulate_tile_packed).
 //
 // The work comes from a split-KV plan (attention_plan.h): one task per (item, KV head); items of
 // split sequences write a partial (acc, max, sum), merged afterwards with merge_softmax.
@@ -57,8 +58,9 @@ constexpr int kAmxMinRows = 8;
 static_assert(kDefaultTile == kAmxTilePositions, "amx_accumulate takes one whole tile of values");
 static_assert(kDefaultTile == kAmxDecodePositions, "the AMX decode calls take one tile");
 // Rows from which the dot path scores through a packed K tile (score_tile_packed): its
-// transposition costs a position as much as the 4 x 4 blocks' sums for about 6 rows (D = 128),
-// and 4-row decode tasks measured 5-10% slower through it (EPYC-VM, bf16).
+// transposition costs a position as much as the sums of 4 x 4 blocks of 512-bit products for
+// about 6 rows (D = 128), and 4-row decode tasks measured 5-10% slower through it than through
+// those blocks (EPYC-VM, bf16), which score_tile_lanes has since replaced.
 constexpr int kPackedMinRows = 8;
 constexpr int kPackedGroup = 16;     // positions per group of the packed tile (a score register)
 constexpr int kPackedStepPairs = 4;  // a head's bf16 pairs per prefetch step of score_rows_packed
@@ -225,25 +227,72 @@ template <int NR, int NT>
   }
 }
 
-// out[r * out_stride + t] = scale * q[r] . k[t] over raw bf16 rows (q stride D), as score_block.
-template <int NR, int NT>
-[[gnu::always_inline]] inline void score_block_dot(const uint16_t* __restrict q,
-                                                   const uint16_t* const* k, int D, float scale,
-                                                   float* out, int out_stride) {
-  if (D <= 0) __builtin_unreachable();  // as in score_block
-  __m512 acc[NR][NT];
-  for (int r = 0; r < NR; ++r) {
-    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
-  }
-  for (int d = 0; d < D; d += 32) {
-    __m512i kv[NT];
-    for (int t = 0; t < NT; ++t) kv[t] = _mm512_loadu_si512(k[t] + d);
-    for (int r = 0; r < NR; ++r) {
-      const __m512i qv = _mm512_loadu_si512(q + r * D + d);
-      for (int t = 0; t < NT; ++t) acc[r][t] = vdot_bf16(acc[r][t], qv, kv[t]);
+// The dot path's scores for tasks under kPackedMinRows rows (decode at small groups). A 256-bit
+// product holds one query row per 128-bit block (rows 2p and 2p + 1: lane_pair_queries) against
+// 8 dimensions of one K row broadcast to both blocks, so each lane sums pairs of one row and one
+// position, and four positions' scores for two rows take 9 instructions (sum4_in_blocks). The
+// 4 x 4 blocks of 512-bit products this replaced (as score_block_fp8_dot still runs) spent
+// sum16's 45 shuffles and adds on every 16 scores, as many instructions as a third of their dot
+// products. Zen 4 issues two 256-bit dot products a cycle, as many pairs as one 512-bit.
+
+// Query rows for score_block_lanes: rows 2p and 2p + 1 side by side 8 dimensions at a time,
+// out[(p * D / 8 + g) * 16 + 8 h + i] = q[2p + h][8 g + i] (bf16 bits; `row(r)` gives row r, and
+// a last row of an odd count is paired with zeros).
+template <typename Row>
+inline void lane_pair_queries(int R, int D, Row&& row, uint16_t* __restrict out) {
+  const int groups = D / 8;
+  for (int r = 0; r < R + R % 2; ++r) {
+    const uint16_t* src = r < R ? row(r) : nullptr;
+    uint16_t* dst = out + size_t(r / 2) * groups * 16 + 8 * (r % 2);
+    for (int g = 0; g < groups; ++g) {
+      if (src != nullptr) {
+        std::memcpy(dst + 16 * g, src + 8 * g, 8 * sizeof(uint16_t));
+      } else {
+        std::memset(dst + 16 * g, 0, 8 * sizeof(uint16_t));
+      }
     }
   }
-  store_dot_scores(acc, scale, out, out_stride);
+}
+
+// out[r * out_stride + t] = scale * q[r] . k[t] for the 2 NP rows of q (lane_pair_queries, NP
+// pairs) and NT positions (a multiple of 4), k the raw bf16 rows; D a multiple of 32 (as on all
+// of the dot path), so the K rows are read a 64-byte line at a time.
+template <int NP, int NT>
+[[gnu::always_inline]] inline void score_block_lanes(const uint16_t* __restrict q,
+                                                     const uint16_t* const* k, int D, float scale,
+                                                     float* out, int out_stride) {
+  static_assert(NT % 4 == 0, "scores are summed four positions at a time");
+  if (D <= 0) __builtin_unreachable();  // as in score_block
+  const int groups = D / 8;
+  __m256 acc[NT][NP];
+  for (int t = 0; t < NT; ++t) {
+    for (int p = 0; p < NP; ++p) acc[t][p] = _mm256_setzero_ps();
+  }
+  for (int g0 = 0; g0 < groups; g0 += 4) {
+    __m256i qv[4][NP];
+    for (int i = 0; i < 4; ++i) {
+      for (int p = 0; p < NP; ++p) {
+        qv[i][p] =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (p * groups + g0 + i) * 16));
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      for (int t = 0; t < NT; ++t) {
+        const __m256i kb = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(k[t] + 8 * (g0 + i))));
+        for (int p = 0; p < NP; ++p) acc[t][p] = vdot_bf16(acc[t][p], qv[i][p], kb);
+      }
+    }
+  }
+  const __m256 s = _mm256_set1_ps(scale);
+  for (int t = 0; t < NT; t += 4) {
+    for (int p = 0; p < NP; ++p) {
+      const __m256 x = _mm256_mul_ps(
+          sum4_in_blocks(acc[t][p], acc[t + 1][p], acc[t + 2][p], acc[t + 3][p]), s);
+      _mm_storeu_ps(out + 2 * p * out_stride + t, _mm256_castps256_ps128(x));
+      _mm_storeu_ps(out + (2 * p + 1) * out_stride + t, _mm256_extractf128_ps(x, 1));
+    }
+  }
 }
 
 // The dot path's accumulators pair two positions per lane: each 32-bit lane of a value vector
@@ -446,8 +495,9 @@ inline void fp8_lane_order_query(const uint16_t* q, int D, uint16_t* out) {
   }
 }
 
-// score_block_dot on FP8 K rows (D a multiple of 64), each 64 codes converted in registers once
-// for all NR rows; q from fp8_lane_order_query.
+// out[r * out_stride + t] = scale * q[r] . k[t] for NR query rows (stride D, from
+// fp8_lane_order_query) and NT FP8 K rows (D a multiple of 64), each 64 codes converted in
+// registers once for all NR rows; a 4 x 4 block's sums by sum16.
 template <int NR, int NT>
 [[gnu::always_inline]] inline void score_block_fp8_dot(const uint16_t* __restrict q,
                                                        const uint8_t* const* k, int D, float scale,
@@ -518,9 +568,8 @@ inline void fp8_dot_to_natural(float* __restrict row, int D) {
 // The dot path's scores for tasks of many rows (score_tile_packed): the tile's K rows packed
 // pair-major, one register per (group of 16 positions, bf16 pair j of the head), so that a
 // query's pair j broadcast against it adds that pair's products for 16 positions at once and
-// the scores come out in lanes, position by position. The 4 x 4 blocks (score_block_dot) spend
-// 45 shuffles and adds on every 16 scores (sum16), then scatter them into the weight rows; the
-// packing spends 64 shuffles per 16 positions and 32 dimensions, once for all of a task's rows.
+// the scores come out in lanes, position by position. The packing spends 64 shuffles per 16
+// positions and 32 dimensions, once for all of a task's rows.
 
 // Packs n <= 16 K rows of one group (rows past n as zeros), D a multiple of 32: dword c of 16-
 // dword block b of every row (bf16 dimensions 32 b + 2 c, + 1 in the queries' order) at dst +
@@ -755,6 +804,9 @@ class CpuPagedAttention {
     bool amx_decode = false;  // this task runs that path
     // The dot path's query rows ([rows, D] bf16 bits) and weights ([rows, kTile] bf16 bits).
     std::vector<uint16_t> q_bf16, w_bf16;
+    // ... and for tasks under kPackedMinRows rows on bf16 rows (dot && !dot_fp8), the query rows
+    // in row pairs instead (lane_pair_queries, for score_block_lanes).
+    std::vector<uint16_t> q_lanes;
     bool dot = false;              // this task runs the bf16 dot-product path
     bool dot_fp8 = false;          // ... on FP8 codes converted in registers (no images)
     std::vector<RowInfo> rows;
@@ -801,7 +853,14 @@ class CpuPagedAttention {
     ws.dot_fp8 = dot && F != CacheFormat::kNative && p_.head_size % 64 == 0;
     if (!dot) return;
     ws.q_bf16.resize(size_t(kMaxRows) * p_.head_size);
+    ws.q_lanes.resize(size_t(kMaxRows) * p_.head_size);
     ws.w_bf16.resize(size_t(kMaxRows) * kTile);
+  }
+
+  // Whether a task of R rows scores through score_block_lanes: the dot path on bf16 rows (a bf16
+  // cache's, or an FP8 cache's images) below the packed path's rows.
+  static bool uses_score_lanes(const Workspace& ws, int R) {
+    return kDotCapable && ws.dot && !ws.dot_fp8 && R < kPackedMinRows;
   }
 
   // The AMX decode path (attend_item_amx_decode) for a plan item: bf16 queries on a bf16 or FP8
@@ -973,8 +1032,18 @@ class CpuPagedAttention {
     const int D = p_.head_size;
     const float q_scale = score_scale(task.kv_head);
     for (int r = 0; r < task.num_rows; ++r) {
-      const RowInfo info = row_info(task.seq, task.kv_head, task.row_begin + r);
-      ws.rows[r] = info;
+      ws.rows[r] = row_info(task.seq, task.kv_head, task.row_begin + r);
+    }
+#if PAGEDSPEC_CPU_LEVEL == 2
+    if (uses_score_lanes(ws, task.num_rows)) {
+      lane_pair_queries(task.num_rows, D, [&](int r) {
+        return reinterpret_cast<const uint16_t*>(query_row(ws.rows[r]));
+      }, ws.q_lanes.data());
+      return;
+    }
+#endif
+    for (int r = 0; r < task.num_rows; ++r) {
+      const RowInfo& info = ws.rows[r];
       if (ws.amx || ws.amx_decode) continue;
       const QT* src = query_row(info);
       if (ws.dot) {
@@ -1041,22 +1110,19 @@ class CpuPagedAttention {
         score_tile_packed(task, ws, dot_krows, lookup ? &*lookup : nullptr, pf);
         return;
       }
+      if (uses_score_lanes(ws, R)) {
+        score_tile_lanes(task, ws, dot_krows, pf);
+        return;
+      }
     }
 #endif
-    // One score block: through the dot path or the FMA path.
+    // One score block: through the dot path on FP8 codes or the FMA path.
     const auto block = [&](auto NR, auto NT, int r0, int t, float* out) {
 #if PAGEDSPEC_CPU_LEVEL == 2
-      if constexpr (kDotCapable) {
-        const uint16_t* q = ws.q_bf16.data() + size_t(r0) * D;
-        if constexpr (F != CacheFormat::kNative) {
-          if (ws.dot_fp8) {
-            score_block_fp8_dot<NR, NT>(q, as_codes(ws.krows) + t, D, dot_scale, *lookup, out,
-                                        kTile);
-            return;
-          }
-        }
-        if (ws.dot) {
-          score_block_dot<NR, NT>(q, dot_krows + t, D, dot_scale, out, kTile);
+      if constexpr (kDotCapable && F != CacheFormat::kNative) {
+        if (ws.dot_fp8) {
+          score_block_fp8_dot<NR, NT>(ws.q_bf16.data() + size_t(r0) * D, as_codes(ws.krows) + t,
+                                      D, dot_scale, *lookup, out, kTile);
           return;
         }
       }
@@ -1133,6 +1199,46 @@ class CpuPagedAttention {
             : score_rows_packed<4, 1>(q, packed.data(), D, scale, w, kTile, step);
       }
       r0 += nr;
+    }
+  }
+#endif
+
+#if PAGEDSPEC_CPU_LEVEL == 2
+  // score_tile through score_block_lanes (uses_score_lanes): blocks of kRowBlock rows (two row
+  // pairs; an odd count's last pair fills the row after it, which the workspace holds and nothing
+  // reads) x 8 positions, then 4; a last block of fewer repeats its last K row, and the scores
+  // it writes past what the rows see (still inside the tile) are never read.
+  void score_tile_lanes(const Task& task, Workspace& ws, const uint16_t* const* krows,
+                        TilePrefetch& pf) const {
+    static_assert(kRowBlock == 4 && kTile % 4 == 0 && kMaxRows % 2 == 0,
+                  "blocks of two row pairs, whole blocks of 4 positions inside the tile");
+    const int D = p_.head_size;
+    const int R = task.num_rows;
+    const float scale = score_scale(task.kv_head);
+    for (int r0 = 0; r0 < R; r0 += kRowBlock) {
+      const int pairs = (std::min(kRowBlock, R - r0) + 1) / 2;
+      const int group_visible = ws.visible[std::min(R, r0 + kRowBlock) - 1];
+      const uint16_t* q = ws.q_lanes.data() + size_t(r0) * D;  // pair r0 / 2, 2 D per pair
+      float* w = ws.w.data() + r0 * kTile;
+      const auto block = [&](auto NT, int t, const uint16_t* const* k) {
+        pairs == 2 ? score_block_lanes<2, NT>(q, k, D, scale, w + t, kTile)
+                   : score_block_lanes<1, NT>(q, k, D, scale, w + t, kTile);
+      };
+      int t = 0;
+      for (; t + 8 <= group_visible; t += 8) {
+        if (r0 == 0) {
+          for (int i = 0; i < 8; ++i) pf.step();
+        }
+        block(std::integral_constant<int, 8>{}, t, krows + t);
+      }
+      for (; t < group_visible; t += 4) {
+        const uint16_t* k[4];
+        for (int i = 0; i < 4; ++i) k[i] = krows[std::min(t + i, group_visible - 1)];
+        if (r0 == 0) {
+          for (int i = t; i < std::min(t + 4, group_visible); ++i) pf.step();
+        }
+        block(std::integral_constant<int, 4>{}, t, k);
+      }
     }
   }
 #endif

@@ -502,6 +502,21 @@ inline __m512 vdot_bf16_bcast(__m512 acc, __m512i a, const uint16_t* pair) {
   return acc;
 }
 
+// vdot_bf16 on 256-bit vectors (8 lanes, 16 bf16 each side), also AVX512-BF16 (with VL).
+inline __m256 vdot_bf16(__m256 acc, __m256i a, __m256i b) {
+  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
+  return acc;
+}
+
+// Sums of four vectors' lanes within each 128-bit block: lane i of block b of the result is the
+// sum of x[i]'s four lanes in block b. 6 shuffles and 3 adds: unpacks pair up x0 with x1 and x2
+// with x3 (adding lanes 0 + 2 and 1 + 3), then 64-bit shuffles add what is left.
+[[gnu::always_inline]] inline __m256 sum4_in_blocks(__m256 x0, __m256 x1, __m256 x2, __m256 x3) {
+  const __m256 s01 = _mm256_add_ps(_mm256_unpacklo_ps(x0, x1), _mm256_unpackhi_ps(x0, x1));
+  const __m256 s23 = _mm256_add_ps(_mm256_unpacklo_ps(x2, x3), _mm256_unpackhi_ps(x2, x3));
+  return _mm256_add_ps(_mm256_shuffle_ps(s01, s23, 0x44), _mm256_shuffle_ps(s01, s23, 0xEE));
+}
+
 // A 16 x 16 matrix of 32-bit elements transposed in registers: lane c of r[i] becomes lane i of
 // r[c]. 64 shuffles: 32- and 64-bit unpacks leave, in each 128-bit lane L of vector 4 i + k,
 // column 4 L + k of rows 4 i .. 4 i + 3; two rounds of 128-bit block shuffles then transpose the
