@@ -1068,22 +1068,21 @@ class CpuPagedAttention {
 
   // Locates the tile's n K and V rows and counts what each row may see of this tile.
   void locate_tile(const Task& task, Workspace& ws, int start, int n) const {
-    // One block-table lookup per cache block, not per position.
+    // One block-table lookup per cache block, not per position; a block's rows in a loop the
+    // compiler vectorizes (as 64 scalar stores a tile and head, about 5% of 4-row bf16 decode).
     const int64_t token_stride = p_.cache_token_stride();
-    const auto rows_of = [&](int first, int count, auto&& emit) {
-      int64_t off = 0;
-      for (int t = 0; t < count; ++t) {
-        const int pos = first + t;
-        const int in_block = pos & (p_.block_size - 1);
-        if (t == 0 || in_block == 0) off = p_.cache_offset(task.seq, pos, task.kv_head);
-        emit(t, off);
-        off += token_stride;
+    for (int t = 0; t < n;) {
+      const int pos = start + t;
+      const int run = std::min(n - t, p_.block_size - (pos & (p_.block_size - 1)));
+      const int64_t off = p_.cache_offset(task.seq, pos, task.kv_head);
+      const CacheT* k = p_.key_cache + off;
+      const CacheT* v = p_.value_cache + off;
+      for (int i = 0; i < run; ++i) {
+        ws.krows[t + i] = k + i * token_stride;
+        ws.vrows[t + i] = v + i * token_stride;
       }
-    };
-    rows_of(start, n, [&](int t, int64_t off) {
-      ws.krows[t] = p_.key_cache + off;
-      ws.vrows[t] = p_.value_cache + off;
-    });
+      t += run;
+    }
     for (int r = 0; r < task.num_rows; ++r) {
       ws.visible[r] = std::clamp(ws.rows[r].limit - start + 1, 0, n);
     }
