@@ -17,11 +17,11 @@
 // On the AVX-512 level, bf16 tasks may instead score and accumulate with AMX tile multiplies
 // (cpu/amx.h, AMX machines: the decode path, accumulators kept in tile layout, for decode and
 // verification rows at head sizes up to 128; the many-row path above that) or with AVX512-BF16
-// dot products (cpu_bf16_dot): row pairs in the lanes of 256-bit products for decode
-// (score_tile_lanes; 4 x 4 blocks on FP8 codes converted in registers), and for tasks of
-// kPackedMinRows rows or more (verification, wide GQA groups) a K tile packed pair-major once
-// for all the rows (score_tile_packed, scores in lanes position by position) and V pairs built
-// once per tile (accumulate_tile_packed).
+// dot products (cpu_bf16_dot): row pairs in the lanes of 256-bit products for up to
+// kLanesMaxRows rows (score_tile_lanes; 4 x 4 blocks on FP8 codes converted in registers), and
+// for more rows (verification, wide GQA groups) a K tile packed pair-major once for all the rows
+// (score_tile_packed, scores in lanes position by position) and V pairs built once per tile
+// (accumulate_tile_packed).
 //
 // The work comes from a split-KV plan (attention_plan.h): one task per (item, KV head); items of
 // split sequences write a partial (acc, max, sum), merged afterwards with merge_softmax.
@@ -57,11 +57,16 @@ constexpr int kMassTile = 256; // positions per attn_mass task
 constexpr int kAmxMinRows = 8;
 static_assert(kDefaultTile == kAmxTilePositions, "amx_accumulate takes one whole tile of values");
 static_assert(kDefaultTile == kAmxDecodePositions, "the AMX decode calls take one tile");
-// Rows from which the dot path scores through a packed K tile (score_tile_packed): its
+// Rows from which the dot path scores FP8 codes through a packed K tile (score_tile_packed): its
 // transposition costs a position as much as the sums of 4 x 4 blocks of 512-bit products for
 // about 6 rows (D = 128), and 4-row decode tasks measured 5-10% slower through it than through
 // those blocks (EPYC-VM, bf16), which score_tile_lanes has since replaced.
 constexpr int kPackedMinRows = 8;
+// Rows up to which the dot path scores bf16 rows through score_tile_lanes instead, which reads
+// a task's K rows once per 4 rows (EPYC-VM, 1 thread): at 8 rows (decode at group 8, B=1
+// ctx=4096) it beat the packed tile, 1.12-1.21 against 1.26-1.28 ms; at 12 rows (3 tokens at
+// group 4, B=8 ctx=2048) it lost, 8.5 against 7.7-8.2.
+constexpr int kLanesMaxRows = 8;
 constexpr int kPackedGroup = 16;     // positions per group of the packed tile (a score register)
 constexpr int kPackedStepPairs = 4;  // a head's bf16 pairs per prefetch step of score_rows_packed
 // The AMX decode path raises a row's running max only when a tile's scores exceed it by more
@@ -227,7 +232,7 @@ template <int NR, int NT>
   }
 }
 
-// The dot path's scores for tasks under kPackedMinRows rows (decode at small groups). A 256-bit
+// The dot path's scores for tasks of up to kLanesMaxRows rows (decode). A 256-bit
 // product holds one query row per 128-bit block (rows 2p and 2p + 1: lane_pair_queries) against
 // 8 dimensions of one K row broadcast to both blocks, so each lane sums pairs of one row and one
 // position, and four positions' scores for two rows take 9 instructions (sum4_in_blocks). The
@@ -804,8 +809,8 @@ class CpuPagedAttention {
     bool amx_decode = false;  // this task runs that path
     // The dot path's query rows ([rows, D] bf16 bits) and weights ([rows, kTile] bf16 bits).
     std::vector<uint16_t> q_bf16, w_bf16;
-    // ... and for tasks under kPackedMinRows rows on bf16 rows (dot && !dot_fp8), the query rows
-    // in row pairs instead (lane_pair_queries, for score_block_lanes).
+    // ... and for tasks that score through score_tile_lanes (uses_score_lanes), the query rows
+    // in row pairs instead (lane_pair_queries).
     std::vector<uint16_t> q_lanes;
     bool dot = false;              // this task runs the bf16 dot-product path
     bool dot_fp8 = false;          // ... on FP8 codes converted in registers (no images)
@@ -850,17 +855,24 @@ class CpuPagedAttention {
     // FP8 codes converted as they are read where D allows (score_block_fp8_dot), else images.
     // Converting them once per block of 4 rows, not once per tile, is no slower for the 20 rows
     // of a 5-token draft at group 4 (A/B: 14.4 against 14.5 ms at B=8 ctx=2048, 1 thread).
-    ws.dot_fp8 = dot && F != CacheFormat::kNative && p_.head_size % 64 == 0;
+    ws.dot_fp8 = dot && dot_fp8_codes();
     if (!dot) return;
     ws.q_bf16.resize(size_t(kMaxRows) * p_.head_size);
     ws.q_lanes.resize(size_t(kMaxRows) * p_.head_size);
     ws.w_bf16.resize(size_t(kMaxRows) * kTile);
   }
 
-  // Whether a task of R rows scores through score_block_lanes: the dot path on bf16 rows (a bf16
-  // cache's, or an FP8 cache's images) below the packed path's rows.
+  // Whether the dot path reads FP8 codes converted in registers (else bf16 rows: a bf16 cache's,
+  // or an FP8 cache's images).
+  bool dot_fp8_codes() const { return F != CacheFormat::kNative && p_.head_size % 64 == 0; }
+  // The dot path's scores for R rows: from bf16 rows through score_tile_lanes up to
+  // kLanesMaxRows rows, then through a packed tile (score_tile_packed), as are FP8 codes from
+  // kPackedMinRows rows; the P.V of packed tiles builds its V pairs once (accumulate_tile_packed).
   static bool uses_score_lanes(const Workspace& ws, int R) {
-    return kDotCapable && ws.dot && !ws.dot_fp8 && R < kPackedMinRows;
+    return kDotCapable && ws.dot && !ws.dot_fp8 && R <= kLanesMaxRows;
+  }
+  static bool scores_packed(int R, bool fp8_codes) {
+    return fp8_codes ? R >= kPackedMinRows : R > kLanesMaxRows;
   }
 
   // The AMX decode path (attend_item_amx_decode) for a plan item: bf16 queries on a bf16 or FP8
@@ -1105,12 +1117,12 @@ class CpuPagedAttention {
 #if PAGEDSPEC_CPU_LEVEL == 2
     const std::optional<Fp8ImageLookup> lookup = fp8_lookup(ws, ws.kreader);
     if constexpr (kDotCapable) {
-      if (ws.dot && R >= kPackedMinRows) {
-        score_tile_packed(task, ws, dot_krows, lookup ? &*lookup : nullptr, pf);
-        return;
-      }
       if (uses_score_lanes(ws, R)) {
         score_tile_lanes(task, ws, dot_krows, pf);
+        return;
+      }
+      if (ws.dot && scores_packed(R, ws.dot_fp8)) {
+        score_tile_packed(task, ws, dot_krows, lookup ? &*lookup : nullptr, pf);
         return;
       }
     }
@@ -1254,7 +1266,7 @@ class CpuPagedAttention {
   // idle through the P.V: float32 decode ran at about the sum of the two (bench/NOTES.md).
   int tile_steps(int R, int n) const {
     if (use_amx(R)) return n;
-    if (kDotCapable && bf16_dot_ && R >= kPackedMinRows) {
+    if (kDotCapable && bf16_dot_ && scores_packed(R, dot_fp8_codes())) {
       const int blocks = (R + 7) / 8;
       return blocks * ((p_.head_size / 2 + kPackedStepPairs - 1) / kPackedStepPairs);
     }
@@ -1490,7 +1502,7 @@ class CpuPagedAttention {
       }
     }
     if constexpr (kDotCapable) {
-      if (ws.dot && R >= kPackedMinRows && ws.visible[0] == n) {
+      if (ws.dot && scores_packed(R, ws.dot_fp8) && ws.visible[0] == n) {
         accumulate_tile_packed(ws, R, n);
         return;
       }
@@ -1511,7 +1523,7 @@ class CpuPagedAttention {
   }
 
 #if PAGEDSPEC_CPU_LEVEL == 2
-  // P.V on the dot path for a task of kPackedMinRows rows or more on an n-position tile that
+  // P.V on the dot path for a task scored through a packed tile (scores_packed) on a tile that
   // every row sees whole (the causal tail stays on accumulate_rows): each position pair's V
   // vectors built once (an odd last position pairs with zeros and with the zero weight that
   // exp2_weights leaves after it), then blocks of 8 rows (then 4, padded as in
