@@ -261,11 +261,13 @@ inline void lane_pair_queries(int R, int D, Row&& row, uint16_t* __restrict out)
 
 // out[r * out_stride + t] = scale * q[r] . k[t] for the 2 NP rows of q (lane_pair_queries, NP
 // pairs) and NT positions (a multiple of 4), k the raw bf16 rows; D a multiple of 32 (as on all
-// of the dot path), so the K rows are read a 64-byte line at a time.
-template <int NP, int NT>
+// of the dot path), so the K rows are read a 64-byte line at a time. `steps` calls of step(),
+// spread over the lines.
+template <int NP, int NT, typename Step>
 [[gnu::always_inline]] inline void score_block_lanes(const uint16_t* __restrict q,
                                                      const uint16_t* const* k, int D, float scale,
-                                                     float* out, int out_stride) {
+                                                     float* out, int out_stride, int steps,
+                                                     Step&& step) {
   static_assert(NT % 4 == 0, "scores are summed four positions at a time");
   if (D <= 0) __builtin_unreachable();  // as in score_block
   const int groups = D / 8;
@@ -273,7 +275,9 @@ template <int NP, int NT>
   for (int t = 0; t < NT; ++t) {
     for (int p = 0; p < NP; ++p) acc[t][p] = _mm256_setzero_ps();
   }
+  int stepped = 0;
   for (int g0 = 0; g0 < groups; g0 += 4) {
+    for (const int due = steps * (g0 + 4) / groups; stepped < due; ++stepped) step();
     __m256i qv[4][NP];
     for (int i = 0; i < 4; ++i) {
       for (int p = 0; p < NP; ++p) {
@@ -1218,7 +1222,8 @@ class CpuPagedAttention {
   // score_tile through score_block_lanes (uses_score_lanes): blocks of kRowBlock rows (two row
   // pairs; an odd count's last pair fills the row after it, which the workspace holds and nothing
   // reads) x 8 positions, then 4; a last block of fewer repeats its last K row, and the scores
-  // it writes past what the rows see (still inside the tile) are never read.
+  // it writes past what the rows see (still inside the tile) are never read. The first row
+  // block's prefetch steps, one per position, run among its K lines rather than before it.
   void score_tile_lanes(const Task& task, Workspace& ws, const uint16_t* const* krows,
                         TilePrefetch& pf) const {
     static_assert(kRowBlock == 4 && kTile % 4 == 0 && kMaxRows % 2 == 0,
@@ -1231,24 +1236,20 @@ class CpuPagedAttention {
       const int group_visible = ws.visible[std::min(R, r0 + kRowBlock) - 1];
       const uint16_t* q = ws.q_lanes.data() + size_t(r0) * D;  // pair r0 / 2, 2 D per pair
       float* w = ws.w.data() + r0 * kTile;
-      const auto block = [&](auto NT, int t, const uint16_t* const* k) {
-        pairs == 2 ? score_block_lanes<2, NT>(q, k, D, scale, w + t, kTile)
-                   : score_block_lanes<1, NT>(q, k, D, scale, w + t, kTile);
+      const auto step = [&] { pf.step(); };
+      const auto block = [&](auto NT, int t, const uint16_t* const* k, int steps) {
+        pairs == 2 ? score_block_lanes<2, NT>(q, k, D, scale, w + t, kTile, steps, step)
+                   : score_block_lanes<1, NT>(q, k, D, scale, w + t, kTile, steps, step);
       };
       int t = 0;
       for (; t + 8 <= group_visible; t += 8) {
-        if (r0 == 0) {
-          for (int i = 0; i < 8; ++i) pf.step();
-        }
-        block(std::integral_constant<int, 8>{}, t, krows + t);
+        block(std::integral_constant<int, 8>{}, t, krows + t, r0 == 0 ? 8 : 0);
       }
       for (; t < group_visible; t += 4) {
         const uint16_t* k[4];
         for (int i = 0; i < 4; ++i) k[i] = krows[std::min(t + i, group_visible - 1)];
-        if (r0 == 0) {
-          for (int i = t; i < std::min(t + 4, group_visible); ++i) pf.step();
-        }
-        block(std::integral_constant<int, 4>{}, t, k);
+        block(std::integral_constant<int, 4>{}, t, k,
+              r0 == 0 ? std::min(4, group_visible - t) : 0);
       }
     }
   }
