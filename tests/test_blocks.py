@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 import pagedspec
 from pagedspec import ops
 from pagedspec.engine import BlockManager, Evictor, KVCache, hash_block
+from pagedspec.engine.kv_cache import HUGE_PAGE_BYTES, empty_on_huge_pages
 
 # ---- helpers -----------------------------------------------------------------------------------
 BS = 8
@@ -379,7 +380,7 @@ def test_cpu_caches_on_huge_pages_read_as_plain_ones(dtype):
     huge pages where the kernel offers them, and the ops read it exactly as a plain tensor."""
     blocks, bs, heads, head = 256, 16, 4, 128                      # 4 MiB per bf16 cache
     kv = KVCache(2, blocks, bs, heads, head, dtype, "cpu")
-    huge = 2 << 20
+    huge = HUGE_PAGE_BYTES
     for k, v in zip(kv.key_caches, kv.value_caches):
         assert k.shape == v.shape == (blocks, bs, heads, head) and k.dtype == v.dtype == dtype
         assert k.is_contiguous() and v.is_contiguous()
@@ -405,13 +406,12 @@ def test_cpu_caches_on_huge_pages_read_as_plain_ones(dtype):
 
 
 def test_small_caches_and_bad_offsets():
-    from pagedspec.engine.kv_cache import empty_on_huge_pages
     small = empty_on_huge_pages((4, 8), torch.float32, 4096)       # under a huge page: plain
     assert small.shape == (4, 8) and small.is_contiguous()
     with pytest.raises(ValueError, match="offset must be a multiple of 4096"):
         empty_on_huge_pages((1 << 20,), torch.float32, 100)
     with pytest.raises(ValueError, match="offset"):
-        empty_on_huge_pages((1 << 20,), torch.float32, 2 << 20)
+        empty_on_huge_pages((1 << 20,), torch.float32, HUGE_PAGE_BYTES)
 
 
 # ---- stateful property test --------------------------------------------------------------------
