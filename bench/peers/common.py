@@ -25,6 +25,29 @@ PAGEDSPEC_BLOCK_SIZE = 16
 DTYPES = ("bf16", "fp32", "fp8e4m3")
 # Set by compare.py --isa: the ISA level both sides are held to (empty: each side's best).
 PEER_ISA_ENV = "PAGEDSPEC_PEERS_ISA"
+# The levels --isa can hold both sides to, each the CPU class that runs it.
+PEER_ISAS = {
+    "avx2": "AVX2 only (Zen 2, Haswell to Comet Lake): pagedspec's avx2 level, vLLM's _C_AVX2 "
+            "build",
+    "avx512": "AVX-512 without BF16 or AMX (Skylake-SP, Cascade Lake, Ice Lake): pagedspec's "
+              "avx512 level on its FMA path, vLLM's _C_AVX512 build",
+}
+
+
+def pagedspec_isa_env(isa: str) -> dict:
+    """pagedspec's environment for compare.py --isa ``isa``: its kernel level, and at avx512 no
+    AVX512-BF16 dot products and no AMX, as on a CPU without them."""
+    env = {"PAGEDSPEC_CPU_ISA": isa}
+    if isa == "avx512":
+        env.update(PAGEDSPEC_CPU_BF16_DOT="0", PAGEDSPEC_CPU_AMX="0")
+    return env
+
+
+def pagedspec_kernel(info: dict) -> str:
+    """Which of pagedspec's CPU kernels run, from build_info(): the level and its bf16 paths."""
+    extras = [name for name, on in (("bf16 dot", info.get("cpu_bf16_dot")),
+                                    ("amx", info.get("cpu_amx"))) if on]
+    return info["cpu_isa"] + (f" ({', '.join(extras)})" if extras else "")
 
 
 def case_name(case: dict) -> str:

@@ -207,10 +207,10 @@ def main(argv=None) -> int:
                              "the exit status is still 1)")
     parser.add_argument("--keep-data", action="store_true", help="keep the input .pt files")
     parser.add_argument("--vllm-python", default=VLLM_PYTHON)
-    parser.add_argument("--isa", choices=("best", "avx2"), default="best",
-                        help="best: each side's best kernels for this CPU; avx2: both held to "
-                             "AVX2 (pagedspec through PAGEDSPEC_CPU_ISA, vLLM its _C_AVX2 build "
-                             "and ISA choice as on an AVX2-only CPU)")
+    parser.add_argument("--isa", choices=("best",) + tuple(common.PEER_ISAS), default="best",
+                        help="best: each side's best kernels for this CPU; otherwise both sides "
+                             "held to what a CPU of that class runs: "
+                             + "; ".join(f"{k}: {v}" for k, v in common.PEER_ISAS.items()))
     args = parser.parse_args(argv)
 
     threads = [int(t) for t in args.threads.split(",")]
@@ -231,7 +231,7 @@ def main(argv=None) -> int:
                MKL_NUM_THREADS=str(max(threads)), VLLM_LOGGING_LEVEL="ERROR",
                PYTHONWARNINGS="ignore")
     if args.isa != "best":
-        env.update({"PAGEDSPEC_CPU_ISA": args.isa, common.PEER_ISA_ENV: args.isa})
+        env.update(common.pagedspec_isa_env(args.isa), **{common.PEER_ISA_ENV: args.isa})
     ps_python = sys.executable
     cases = build_cases(args.shapes.split(","), args.dtypes.split(","), threads)
 

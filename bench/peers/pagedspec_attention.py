@@ -180,7 +180,7 @@ def time_case(case: dict, data: dict, budget_s: float, copy_budget_s: float) -> 
                 "sdpa": {"ms": sd_s * 1e3, "gbps": sdpa_bytes / sd_s / 1e9, "reps": sd_reps,
                          "bytes": sdpa_bytes},
             },
-            **common.machine_info(pagedspec.build_info()["cpu_isa"])})
+            **common.machine_info(common.pagedspec_kernel(pagedspec.build_info()))})
     return records
 
 
@@ -204,7 +204,7 @@ def main(argv=None) -> int:
             info = write_outputs(case, data, args.out_dir or args.data_dir, args.ref_max_tokens)
             common.emit({"side": "pagedspec", "case": common.case_name(case),
                          "key": common.case_key(case), "setup_s": time.perf_counter() - t0,
-                         **info, **common.machine_info(pagedspec.build_info()["cpu_isa"])})
+                         **info, **common.machine_info(common.pagedspec_kernel(pagedspec.build_info()))})
         else:
             for record in time_case(case, data, args.budget, args.copy_budget):
                 common.emit(record)

@@ -36,15 +36,18 @@ import common  # noqa: E402
 
 # vLLM picks one of its three builds of vllm._C from torch's view of the CPU (platforms/cpu.py:
 # AVX-512 with BF16 -> _C, AVX-512 -> _C_AVX512, else _C_AVX2) and its attention ISA the same way.
-# The benchmark's --isa avx2 (common.PEER_ISA_ENV) hides AVX-512 and AMX from both choices, so
-# vLLM runs the code it runs on an AVX2-only CPU.
+# The benchmark's --isa (common.PEER_ISA_ENV) hides from both choices what a CPU of that class
+# lacks: avx2 hides AVX-512, BF16 and AMX, so vLLM runs the code it runs on an AVX2-only CPU;
+# avx512 hides BF16 and AMX, so it runs _C_AVX512 as on a Skylake-SP or Ice Lake server.
 FORCED_ISA = os.environ.get(common.PEER_ISA_ENV, "")
-if FORCED_ISA == "avx2":
-    torch.cpu._is_avx512_supported = lambda: False
+if FORCED_ISA in common.PEER_ISAS:
+    if FORCED_ISA == "avx2":
+        torch.cpu._is_avx512_supported = lambda: False
     torch.cpu._is_avx512_bf16_supported = lambda: False
     torch.cpu._is_amx_tile_supported = lambda: False
 elif FORCED_ISA:
-    sys.exit(f"vllm_attention.py: {common.PEER_ISA_ENV} must be avx2 or empty, got {FORCED_ISA!r}")
+    sys.exit(f"vllm_attention.py: {common.PEER_ISA_ENV} must be one of {sorted(common.PEER_ISAS)} "
+             f"or empty, got {FORCED_ISA!r}")
 
 import vllm  # noqa: E402
 import vllm._custom_ops  # noqa: E402,F401  (loads vllm._C: registers torch.ops._C.*)
