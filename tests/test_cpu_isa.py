@@ -276,6 +276,25 @@ def test_attention_grid_at_every_level(gen, level, variant, row):
     check_case(case, VARIANTS[variant], lse=True, mass=(variant == "v1"))
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("head_size", [80, 96, 112])
+@pytest.mark.parametrize("q_lens, seq_lens, heads", [([5, 1, 3], [5, 700, 40], (32, 8)),
+                                                     ([1, 2, 1], [1, 33, 1100], (8, 2))])
+def test_bf16_rows_in_even_odd_order_at_every_level(gen, monkeypatch, level, variant, head_size,
+                                                    q_lens, seq_lens, heads):
+    """bf16 caches on the FMA path (PAGEDSPEC_CPU_BF16_DOT=0, AMX off) read K and V rows 16 (AVX2)
+    or 32 (AVX-512) elements at a time in even/odd order, with the queries and accumulators put
+    in the same order: at AVX-512, head size 96 ends on a span of one 32, and 80 and 112 on a last
+    16 read in dimension order. Verification rows, short and split sequences, against the
+    reference."""
+    monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", "0")
+    monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")
+    case = Case(gen, seq_lens=seq_lens, q_lens=q_lens, num_heads=heads[0], num_kv_heads=heads[1],
+                head_size=head_size, block_size=16, dtype=torch.bfloat16,
+                cache_dtype=torch.bfloat16)
+    check_case(case, VARIANTS[variant], lse=True, mass=(variant == "v1"))
+
+
 @pytest.mark.parametrize("scale", [0.37, 3.0, 1e-3])
 @pytest.mark.parametrize("cache_dtype", FP8)
 def test_fp8_decoding_is_exact_at_every_level(level, cache_dtype, scale):

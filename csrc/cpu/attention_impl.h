@@ -88,6 +88,11 @@ constexpr int kScoreTokens = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 4;
 // that a bf16 row takes one load per 16 (CacheReader::load_pair); every head size is a multiple
 // of 16.
 constexpr int kScoreStep = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 1;
+// ... and per cache element type: bf16 rows at AVX-512 in steps of one load_pair too (32
+// elements in even/odd order, a row's last 16 at D = 80, 112 as one natural vector); the other
+// types there one vector a step.
+template <typename Reader>
+constexpr int kRowStep = Reader::kEvenOddPairs ? 2 : kScoreStep;
 
 // out[r * out_stride + t] = q[r] . k[t] for NR query rows (stride D) and NT key rows read
 // straight from the cache: each key vector is decoded once for all NR rows, each query vector
@@ -104,14 +109,30 @@ template <int NR, int NT, typename CacheT, CacheFormat F>
   for (int r = 0; r < NR; ++r) {
     for (int t = 0; t < NT; ++t) acc[r][t] = rzero();
   }
-  for (int d = 0; d < D; d += kScoreStep * kRegLanes) {
-    rvec kv[NT][kScoreStep];
-    for (int t = 0; t < NT; ++t) load_regs<kScoreStep>(reader, k[t] + d, kv[t]);
+  constexpr int S = kRowStep<CacheReader<CacheT, F>>;
+  // The whole steps' end as a bound, not a `d + step <= D` test: with that form GCC's FP8 score
+  // loop, which takes no last vector, came out 5% slower.
+  constexpr bool kLastVector = S * kRegLanes > kLanes;  // a step may overrun D by 16
+  const int whole = kLastVector ? D - D % (S * kRegLanes) : D;
+  int d = 0;
+  for (; d < whole; d += S * kRegLanes) {
+    rvec kv[NT][S];
+    for (int t = 0; t < NT; ++t) load_regs<S>(reader, k[t] + d, kv[t]);
     for (int r = 0; r < NR; ++r) {
-      for (int s = 0; s < kScoreStep; ++s) {
+      for (int s = 0; s < S; ++s) {
         rvec qv = rload(q + r * D + d + s * kRegLanes);
         if constexpr (CacheReader<CacheT, F>::kEvenOddPairs) qv = in_register(qv);
         for (int t = 0; t < NT; ++t) acc[r][t] = rfma(qv, kv[t][s], acc[r][t]);
+      }
+    }
+  }
+  if constexpr (kLastVector) {  // AVX-512 bf16: a last 16 (D = 80, 112), natural order
+    if (d < D) {
+      rvec kv[NT];
+      for (int t = 0; t < NT; ++t) kv[t] = load_reg(reader, k[t] + d);
+      for (int r = 0; r < NR; ++r) {
+        const rvec qv = rload(q + r * D + d);
+        for (int t = 0; t < NT; ++t) acc[r][t] = rfma(qv, kv[t], acc[r][t]);
       }
     }
   }
@@ -197,8 +218,9 @@ static_assert(kValueSpan == kScoreStep || PAGEDSPEC_CPU_LEVEL != 1,
               "AVX2's value spans and score steps are both one load_pair");
 
 // acc[r] += sum_t w[r][t] * v[t] for NR rows (acc stride D, w stride w_stride) over n value rows
-// read straight from the cache, in spans of kValueSpan vectors (then single vectors for the rest
-// of D).
+// read straight from the cache, in spans of kValueSpan vectors, then (bf16 at AVX-512) a span of
+// one load_pair, then single vectors: every whole 32 of D in even/odd order, as the score steps
+// read it.
 template <int NR, typename CacheT, CacheFormat F, typename Step>
 inline void accumulate_block(float* __restrict acc, const float* __restrict w,
                              const CacheT* const* v, const CacheReader<CacheT, F>& reader, int n,
@@ -207,6 +229,13 @@ inline void accumulate_block(float* __restrict acc, const float* __restrict w,
   int d = 0;
   for (; d + kSpan <= D; d += kSpan) {
     accumulate_span<NR, kValueSpan>(acc, w, v, reader, n, D, w_stride, d, step);
+  }
+  constexpr int S = kRowStep<CacheReader<CacheT, F>>;
+  static_assert(kValueSpan % S == 0, "value spans are whole load_pairs");
+  if constexpr (S > 1 && kValueSpan > S) {
+    for (; d + S * kRegLanes <= D; d += S * kRegLanes) {
+      accumulate_span<NR, S>(acc, w, v, reader, n, D, w_stride, d, step);
+    }
   }
   for (; d < D; d += kRegLanes) accumulate_span<NR, 1>(acc, w, v, reader, n, D, w_stride, d, step);
 }
@@ -825,6 +854,7 @@ class CpuPagedAttention {
     const CacheT* vrows[kTile];
     CacheReader<CacheT, F> kreader, vreader;
     const uint16_t* const* dot_vrows = nullptr;  // the dot path: this tile's V rows as bf16
+    bool acc_even_odd = false;  // acc rows in load_pair's even/odd order (set_acc_order)
 
     explicit Workspace(int D)
         : head_size(D), q(size_t(kMaxRows) * D), acc(size_t(kMaxRows) * D),
@@ -1076,7 +1106,7 @@ class CpuPagedAttention {
       float* dst = ws.q.data() + size_t(r) * D;
 #pragma omp simd
       for (int d = 0; d < D; ++d) dst[d] = ScalarConvert<QT>::to_float(src[d]) * q_scale;
-#if PAGEDSPEC_CPU_LEVEL == 1
+#if PAGEDSPEC_CPU_LEVEL >= 1
       if constexpr (Reader::kEvenOddPairs) even_odd_order(dst, D);  // as K is read
 #endif
     }
@@ -1273,12 +1303,16 @@ class CpuPagedAttention {
     }
     return n * (1 + value_passes());
   }
-  // accumulate_block's passes over D (spans of kValueSpan vectors, then single vectors), or
-  // the dot path's (64 dimensions, then 32; FP8 in registers: 64, D being a multiple).
+  // accumulate_block's passes over D (spans of kValueSpan vectors, then of one load_pair, then
+  // single vectors), or the dot path's (64 dimensions, then 32; FP8 in registers: 64, D being a
+  // multiple).
   int value_passes() const {
     const int D = p_.head_size;
     if (kDotCapable && bf16_dot_) return D / 64 + (D % 64) / 32;
-    constexpr int kSpan = kValueSpan * kRegLanes;
+    constexpr int kSpan = kValueSpan * kRegLanes, kStep = kRowStep<Reader> * kRegLanes;
+    if constexpr (kRowStep<Reader> > 1 && kValueSpan > kRowStep<Reader>) {
+      return D / kSpan + (D % kSpan) / kStep + (D % kStep) / kRegLanes;
+    }
     return D / kSpan + (D % kSpan) / kRegLanes;
   }
 
@@ -1464,7 +1498,26 @@ class CpuPagedAttention {
     ws.kreader.init();
     ws.vreader.init();
     std::fill(ws.acc.begin(), ws.acc.begin() + size_t(R) * p_.head_size, 0.0f);
+    ws.acc_even_odd = false;
     std::fill(ws.state.begin(), ws.state.begin() + R, SoftmaxState::empty());
+  }
+
+  // The FMA path reads bf16 V rows in load_pair's even/odd order (Reader::kEvenOddPairs), so it
+  // accumulates in that order, where AMX tile multiplies and the epilogue use dimension order:
+  // puts a task's R accumulator rows in the order asked, converting them if they are not.
+  void set_acc_order(Workspace& ws, int R, bool even_odd) const {
+#if PAGEDSPEC_CPU_LEVEL >= 1
+    if constexpr (Reader::kEvenOddPairs) {
+      if (ws.acc_even_odd == even_odd) return;
+      const int D = p_.head_size;
+      for (int r = 0; r < R; ++r) {
+        float* acc = ws.acc.data() + size_t(r) * D;
+        even_odd ? even_odd_order(acc, D) : even_odd_to_natural(acc, D);
+      }
+      ws.acc_even_odd = even_odd;
+    }
+#endif
+    (void)ws, (void)R, (void)even_odd;
   }
 
   // Positions [start, start + n) for one head's rows: scores, online softmax, values.
@@ -1513,10 +1566,12 @@ class CpuPagedAttention {
       // Every row sees the whole tile (rows ascend, so the first sees the least): no position
       // is past a row's limit, so the tile multiply may take them all (the causal tail and
       // partial tiles stay on the FMA path, which accumulates per visible segment).
+      set_acc_order(ws, R, false);
       amx_accumulate(ws.w.data(), kTile, R,
                      bf16_rows(ws.vrows, 0, kTile, ws.vreader, Operand::kValues), D,
                      ws.acc.data());
     } else {
+      if (!ws.dot) set_acc_order(ws, R, true);
       for (int r0 = 0; r0 < R; r0 += kRowBlock) {
         accumulate_rows(ws, r0, std::min(kRowBlock, R - r0), pf);
       }
@@ -1569,11 +1624,7 @@ class CpuPagedAttention {
     [[maybe_unused]] const int D = p_.head_size;  // unused at the baseline level
     [[maybe_unused]] const int R = task.num_rows;
     if (ws.amx) amx_end();
-#if PAGEDSPEC_CPU_LEVEL == 1
-    if constexpr (Reader::kEvenOddPairs) {  // V was read in even/odd order too
-      for (int r = 0; r < R; ++r) even_odd_to_natural(ws.acc.data() + size_t(r) * D, D);
-    }
-#endif
+    set_acc_order(ws, R, false);
 #if PAGEDSPEC_CPU_LEVEL == 2
     if (ws.dot) {
       for (int r = 0; r < R; ++r) {

@@ -266,9 +266,9 @@ inline __m256i e4m3_fp16_images(__m256i sign_extended) {
 template <typename CacheT, CacheFormat F>
 struct CacheReader {
   static constexpr float kImage = F == CacheFormat::kE4M3 ? 256.0f : 1.0f;
-  // load_pair (AVX2) returns bf16 elements in even/odd order, not the natural one.
+  // load_pair (AVX2, AVX-512) returns bf16 elements in even/odd order, not the natural one.
   static constexpr bool kEvenOddPairs =
-      PAGEDSPEC_CPU_LEVEL == 1 && std::is_same_v<CacheT, c10::BFloat16>;
+      PAGEDSPEC_CPU_LEVEL >= 1 && std::is_same_v<CacheT, c10::BFloat16>;
   const float* table = nullptr;  // FP8: the 256 codes' images, after init()
 
   // Built once per format and shared (read-only): a task's reader used to fill its own, 256
@@ -370,6 +370,18 @@ struct CacheReader {
       first = load8(p);
       second = load8(p + 8);
     }
+  }
+#endif
+
+#if PAGEDSPEC_CPU_LEVEL == 2
+  // 32 bf16 elements as two registers in even/odd order, as at AVX2, for the FMA path's loops
+  // over 32 dimensions at a time: one 512-bit load, a shift and a mask, where two widening loads
+  // and two shifts took 4 operations besides the loads.
+  void load_pair(const CacheT* __restrict p, __m512& first, __m512& second) const {
+    static_assert(kEvenOddPairs, "AVX-512 reads pairs of bf16 rows only");
+    const __m512i bits = _mm512_loadu_si512(p);
+    first = _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
+    second = _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(int(0xFFFF0000u))));
   }
 #endif
 
@@ -604,6 +616,33 @@ inline void even_odd_to_natural(float* __restrict row, int n) {
   }
 }
 #else
+#if PAGEDSPEC_CPU_LEVEL == 2
+// Each whole 32 floats of a row into load_pair's even/odd order (dimensions 0, 2, .., 30 then
+// 1, 3, .., 31), and back; a last 16 (n = 80, 112, ...) stays as it is, which the loops read as
+// one natural vector.
+inline void even_odd_order(float* __restrict row, int n) {
+  alignas(64) static constexpr int kEven[16] = {0,  2,  4,  6,  8,  10, 12, 14,
+                                                16, 18, 20, 22, 24, 26, 28, 30};
+  const __m512i even = _mm512_load_si512(kEven);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int i = 0; i + 32 <= n; i += 32) {
+    const __m512 a = _mm512_loadu_ps(row + i), b = _mm512_loadu_ps(row + i + 16);
+    _mm512_storeu_ps(row + i, _mm512_permutex2var_ps(a, even, b));
+    _mm512_storeu_ps(row + i + 16, _mm512_permutex2var_ps(a, odd, b));
+  }
+}
+inline void even_odd_to_natural(float* __restrict row, int n) {
+  alignas(64) static constexpr int kLow[16] = {0, 16, 1, 17, 2, 18, 3, 19,
+                                               4, 20, 5, 21, 6, 22, 7, 23};
+  const __m512i low = _mm512_load_si512(kLow);
+  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
+  for (int i = 0; i + 32 <= n; i += 32) {
+    const __m512 even = _mm512_loadu_ps(row + i), odd = _mm512_loadu_ps(row + i + 16);
+    _mm512_storeu_ps(row + i, _mm512_permutex2var_ps(even, low, odd));
+    _mm512_storeu_ps(row + i + 16, _mm512_permutex2var_ps(even, high, odd));
+  }
+}
+#endif
 constexpr int kRegLanes = kLanes;
 using rvec = vfloat;
 inline rvec rload(const float* p) { return vload(p); }
@@ -628,7 +667,8 @@ inline rvec load_reg(const Reader& reader, const CacheT* p) { return reader.load
   return v;
 }
 
-// S register vectors of cache elements from p: load_pair's two at the AVX2 level (S = 2), else
+// S register vectors of cache elements from p: load_pair's two per pair at the AVX2 level (S =
+// 2) and for bf16 at the AVX-512 level (S even: spans of 32 elements in even/odd order), else
 // one load_reg per vector.
 template <int S, typename Reader, typename CacheT>
 [[gnu::always_inline]] inline void load_regs(const Reader& reader, const CacheT* p,
@@ -636,6 +676,11 @@ template <int S, typename Reader, typename CacheT>
 #if PAGEDSPEC_CPU_LEVEL == 1
   if constexpr (S == 2) {
     reader.load_pair(p, out[0], out[1]);
+    return;
+  }
+#elif PAGEDSPEC_CPU_LEVEL == 2
+  if constexpr (S % 2 == 0 && Reader::kEvenOddPairs) {
+    for (int s = 0; s < S; s += 2) reader.load_pair(p + s * kRegLanes, out[s], out[s + 1]);
     return;
   }
 #endif
