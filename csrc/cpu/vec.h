@@ -617,30 +617,29 @@ inline void even_odd_to_natural(float* __restrict row, int n) {
 }
 #else
 #if PAGEDSPEC_CPU_LEVEL == 2
+// Each whole 32 floats of a row, as two registers x = (lo, hi), replaced by x[first] and
+// x[second] (32-lane indices, vpermt2ps); a last 16 stays as it is.
+inline void permute_whole_32s(float* __restrict row, int n, __m512i first, __m512i second) {
+  for (int i = 0; i + 32 <= n; i += 32) {
+    const __m512 lo = _mm512_loadu_ps(row + i), hi = _mm512_loadu_ps(row + i + 16);
+    _mm512_storeu_ps(row + i, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(row + i + 16, _mm512_permutex2var_ps(lo, second, hi));
+  }
+}
 // Each whole 32 floats of a row into load_pair's even/odd order (dimensions 0, 2, .., 30 then
 // 1, 3, .., 31), and back; a last 16 (n = 80, 112, ...) stays as it is, which the loops read as
-// one natural vector.
+// one vector in dimension order.
 inline void even_odd_order(float* __restrict row, int n) {
   alignas(64) static constexpr int kEven[16] = {0,  2,  4,  6,  8,  10, 12, 14,
                                                 16, 18, 20, 22, 24, 26, 28, 30};
   const __m512i even = _mm512_load_si512(kEven);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  for (int i = 0; i + 32 <= n; i += 32) {
-    const __m512 a = _mm512_loadu_ps(row + i), b = _mm512_loadu_ps(row + i + 16);
-    _mm512_storeu_ps(row + i, _mm512_permutex2var_ps(a, even, b));
-    _mm512_storeu_ps(row + i + 16, _mm512_permutex2var_ps(a, odd, b));
-  }
+  permute_whole_32s(row, n, even, _mm512_add_epi32(even, _mm512_set1_epi32(1)));
 }
 inline void even_odd_to_natural(float* __restrict row, int n) {
   alignas(64) static constexpr int kLow[16] = {0, 16, 1, 17, 2, 18, 3, 19,
                                                4, 20, 5, 21, 6, 22, 7, 23};
   const __m512i low = _mm512_load_si512(kLow);
-  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(8));
-  for (int i = 0; i + 32 <= n; i += 32) {
-    const __m512 even = _mm512_loadu_ps(row + i), odd = _mm512_loadu_ps(row + i + 16);
-    _mm512_storeu_ps(row + i, _mm512_permutex2var_ps(even, low, odd));
-    _mm512_storeu_ps(row + i + 16, _mm512_permutex2var_ps(even, high, odd));
-  }
+  permute_whole_32s(row, n, low, _mm512_add_epi32(low, _mm512_set1_epi32(8)));
 }
 #endif
 constexpr int kRegLanes = kLanes;
