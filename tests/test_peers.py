@@ -137,3 +137,21 @@ def test_vllm_worker_agrees(tiny_dir):
                  ["--cases", json.dumps(TINY), "--data-dir", tiny_dir, "--budget", "0.01",
                   "--copy-budget", "0.01", "--block-sizes", "16"])
     assert timed[0]["impls"]["vllm16"]["ms"] > 0
+
+
+@pytest.mark.parametrize("isa", sorted(common.PEER_ISAS))
+def test_isa_modes_hold_pagedspec_to_the_cpu_class(isa, monkeypatch):
+    """compare.py --isa: pagedspec runs the level asked, and at avx512 neither the AVX512-BF16 dot
+    products nor AMX, as on a Skylake-SP to Ice Lake CPU; the table names the paths that run."""
+    import pagedspec
+    if isa not in pagedspec.build_info()["cpu_isa_supported"]:
+        pytest.skip(f"this CPU lacks the {isa} instructions")
+    for name, value in common.pagedspec_isa_env(isa).items():
+        monkeypatch.setenv(name, value)
+    info = pagedspec.build_info()
+    assert info["cpu_isa"] == isa
+    if isa == "avx512":
+        assert not info["cpu_bf16_dot"] and not info["cpu_bf16_dot_fp8"] and not info["cpu_amx"]
+    assert common.pagedspec_kernel(info) == isa
+    both = dict(info, cpu_bf16_dot=True, cpu_amx=True)
+    assert common.pagedspec_kernel(both) == ("avx512 (bf16 dot, amx)" if isa == "avx512" else isa)

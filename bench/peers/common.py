@@ -44,10 +44,13 @@ def pagedspec_isa_env(isa: str) -> dict:
 
 
 def pagedspec_kernel(info: dict) -> str:
-    """Which of pagedspec's CPU kernels run, from build_info(): the level and its bf16 paths."""
+    """Which of pagedspec's CPU kernels run, from build_info(): the level and, at avx512 (which
+    build_info's cpu_bf16_dot and cpu_amx describe at any level), its bf16 paths."""
     extras = [name for name, on in (("bf16 dot", info.get("cpu_bf16_dot")),
                                     ("amx", info.get("cpu_amx"))) if on]
-    return info["cpu_isa"] + (f" ({', '.join(extras)})" if extras else "")
+    if info["cpu_isa"] != "avx512" or not extras:
+        return info["cpu_isa"]
+    return f"avx512 ({', '.join(extras)})"
 
 
 def case_name(case: dict) -> str:

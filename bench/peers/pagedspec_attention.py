@@ -204,7 +204,8 @@ def main(argv=None) -> int:
             info = write_outputs(case, data, args.out_dir or args.data_dir, args.ref_max_tokens)
             common.emit({"side": "pagedspec", "case": common.case_name(case),
                          "key": common.case_key(case), "setup_s": time.perf_counter() - t0,
-                         **info, **common.machine_info(common.pagedspec_kernel(pagedspec.build_info()))})
+                         **info,
+                         **common.machine_info(common.pagedspec_kernel(pagedspec.build_info()))})
         else:
             for record in time_case(case, data, args.budget, args.copy_budget):
                 common.emit(record)
