@@ -1310,10 +1310,7 @@ class CpuPagedAttention {
     const int D = p_.head_size;
     if (kDotCapable && bf16_dot_) return D / 64 + (D % 64) / 32;
     constexpr int kSpan = kValueSpan * kRegLanes, kStep = kRowStep<Reader> * kRegLanes;
-    if constexpr (kRowStep<Reader> > 1 && kValueSpan > kRowStep<Reader>) {
-      return D / kSpan + (D % kSpan) / kStep + (D % kStep) / kRegLanes;
-    }
-    return D / kSpan + (D % kSpan) / kRegLanes;
+    return D / kSpan + (D % kSpan) / kStep + (D % kStep) / kRegLanes;
   }
 
   template <typename Fn>
@@ -1621,8 +1618,8 @@ class CpuPagedAttention {
 
   // A head's rows after its last tile: accumulators back in dimension order.
   void end_head(const Task& task, Workspace& ws) const {
-    [[maybe_unused]] const int D = p_.head_size;  // unused at the baseline level
-    [[maybe_unused]] const int R = task.num_rows;
+    [[maybe_unused]] const int D = p_.head_size;  // used at the avx512 level only
+    const int R = task.num_rows;
     if (ws.amx) amx_end();
     set_acc_order(ws, R, false);
 #if PAGEDSPEC_CPU_LEVEL == 2
