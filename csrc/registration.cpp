@@ -224,6 +224,11 @@ static PyObject* cpu_bf16_dot_fp8_in_use(PyObject*, PyObject*) {
   return PyBool_FromLong(pagedspec::cpu_bf16_dot(/*fp8_cache=*/true) ? 1 : 0);
 }
 
+// _C.cpu_fp8_images(): whether the avx512 level's FMA path reads FP8 tiles as bf16 images now.
+static PyObject* cpu_fp8_images_in_use(PyObject*, PyObject*) {
+  return PyBool_FromLong(pagedspec::cpu_fp8_images() ? 1 : 0);
+}
+
 static PyMethodDef kMethods[] = {
     {"cpu_isa", cpu_isa_in_use, METH_NOARGS, "The CPU kernels' ISA level in use."},
     {"cpu_amx", cpu_amx_in_use, METH_NOARGS, "Whether CPU attention uses AMX now."},
@@ -231,6 +236,8 @@ static PyMethodDef kMethods[] = {
      "Whether CPU attention on bf16 caches uses AVX512-BF16 dot products now."},
     {"cpu_bf16_dot_fp8", cpu_bf16_dot_fp8_in_use, METH_NOARGS,
      "Whether CPU attention on FP8 caches uses AVX512-BF16 dot products now."},
+    {"cpu_fp8_images", cpu_fp8_images_in_use, METH_NOARGS,
+     "Whether CPU attention's FMA path reads FP8 tiles as bf16 images now."},
     {nullptr, nullptr, 0, nullptr}};
 
 extern "C" PyMODINIT_FUNC PyInit__C(void) {

@@ -21,7 +21,9 @@
 // kLanesMaxRows rows (score_tile_lanes; 4 x 4 blocks on FP8 codes converted in registers), and
 // for more rows (verification, wide GQA groups) a K tile packed pair-major once for all the rows
 // (score_tile_packed, scores in lanes position by position) and V pairs built once per tile
-// (accumulate_tile_packed).
+// (accumulate_tile_packed). The FMA path there reads an FP8 tile (head size a multiple of 32, on
+// CPUs with VBMI) as the bf16 images of its codes, converted once per tile for all the rows
+// (Workspace::fp8_images), instead of converting codes as each block of rows reads them.
 //
 // The work comes from a split-KV plan (attention_plan.h): one task per (item, KV head); items of
 // split sequences write a partial (acc, max, sum), merged afterwards with merge_softmax.
@@ -821,7 +823,9 @@ class CpuPagedAttention {
  public:
   explicit CpuPagedAttention(const PagedAttentionParams<QT, CacheT>& p)
       : p_(p), bf16_dot_(kDotCapable && p.head_size % 32 == 0 &&
-                  cpu_bf16_dot(F != CacheFormat::kNative)) {}
+                  cpu_bf16_dot(F != CacheFormat::kNative)),
+        fp8_images_(PAGEDSPEC_CPU_LEVEL == 2 && F != CacheFormat::kNative &&
+                    p.head_size % 32 == 0 && cpu_fp8_images()) {}
 
   RowInfo row_info(int seq, int kv_head, int row) const {
     const int G = p_.group_size();
@@ -853,7 +857,13 @@ class CpuPagedAttention {
     const CacheT* krows[kTile];
     const CacheT* vrows[kTile];
     CacheReader<CacheT, F> kreader, vreader;
-    const uint16_t* const* dot_vrows = nullptr;  // the dot path: this tile's V rows as bf16
+    // This tile's V rows as bf16: the dot path's, or an FP8 tile's images for the FMA path.
+    const uint16_t* const* vrows_bf16 = nullptr;
+    // The FMA path reads this task's FP8 K and V tiles through their bf16 images (bf16_rows,
+    // converted once per tile) as it reads a bf16 cache, in even/odd order, instead of
+    // converting the codes in every block of rows: verification rows, 5 blocks of 4 at q = 5 and
+    // group 4, read each code 5 times.
+    bool fp8_images = false;
     bool acc_even_odd = false;  // acc rows in load_pair's even/odd order (set_acc_order)
 
     explicit Workspace(int D)
@@ -886,6 +896,7 @@ class CpuPagedAttention {
   }
   void set_dot(Workspace& ws, bool dot) const {
     ws.dot = dot;
+    ws.fp8_images = fp8_images_ && !dot;
     // FP8 codes converted as they are read where D allows (score_block_fp8_dot), else images.
     // Converting them once per block of 4 rows, not once per tile, is no slower for the 20 rows
     // of a 5-token draft at group 4 (A/B: 14.4 against 14.5 ms at B=8 ctx=2048, 1 thread).
@@ -997,6 +1008,11 @@ class CpuPagedAttention {
   static const uint8_t* const* as_codes(const CacheT* const* rows) {
     return reinterpret_cast<const uint8_t* const*>(rows);
   }
+  // bf16 rows (bf16_rows) as the FMA path's bf16 cache rows, and their reader.
+  static const c10::BFloat16* const* as_bf16(const uint16_t* const* rows) {
+    return reinterpret_cast<const c10::BFloat16* const*>(rows);
+  }
+  static constexpr CacheReader<c10::BFloat16, CacheFormat::kNative> kBf16Rows{};
 #endif
 
   // Sets pf to the cache lines of positions [first, first + n) of sequence seq, for KV heads
@@ -1107,7 +1123,7 @@ class CpuPagedAttention {
 #pragma omp simd
       for (int d = 0; d < D; ++d) dst[d] = ScalarConvert<QT>::to_float(src[d]) * q_scale;
 #if PAGEDSPEC_CPU_LEVEL >= 1
-      if constexpr (Reader::kEvenOddPairs) even_odd_order(dst, D);  // as K is read
+      if (even_odd_rows(ws)) even_odd_order(dst, D);  // as K is read
 #endif
     }
   }
@@ -1140,23 +1156,24 @@ class CpuPagedAttention {
   void score_tile(const Task& task, Workspace& ws, TilePrefetch& pf) const {
     const int D = p_.head_size;
     const int R = task.num_rows;
-    // The dot path's scale and K rows as bf16 (those any row sees).
+    // The dot path's scale; K rows as bf16 (those any row sees) for the dot path or an FP8 tile's
+    // images for the FMA path.
     [[maybe_unused]] const float dot_scale = score_scale(task.kv_head);
-    [[maybe_unused]] const uint16_t* const* dot_krows = nullptr;
-    if constexpr (kDotCapable) {
-      if (ws.dot && !ws.dot_fp8) {
-        dot_krows = bf16_rows(ws.krows, 0, ws.visible[R - 1], ws.kreader, Operand::kKeys);
+    [[maybe_unused]] const uint16_t* const* krows_bf16 = nullptr;
+    if constexpr (kDotCapable || F != CacheFormat::kNative) {
+      if ((ws.dot && !ws.dot_fp8) || ws.fp8_images) {
+        krows_bf16 = bf16_rows(ws.krows, 0, ws.visible[R - 1], ws.kreader, Operand::kKeys);
       }
     }
 #if PAGEDSPEC_CPU_LEVEL == 2
     const std::optional<Fp8ImageLookup> lookup = fp8_lookup(ws, ws.kreader);
     if constexpr (kDotCapable) {
       if (uses_score_lanes(ws, R)) {
-        score_tile_lanes(task, ws, dot_krows, pf);
+        score_tile_lanes(task, ws, krows_bf16, pf);
         return;
       }
       if (ws.dot && scores_packed(R, ws.dot_fp8)) {
-        score_tile_packed(task, ws, dot_krows, lookup ? &*lookup : nullptr, pf);
+        score_tile_packed(task, ws, krows_bf16, lookup ? &*lookup : nullptr, pf);
         return;
       }
     }
@@ -1168,6 +1185,13 @@ class CpuPagedAttention {
         if (ws.dot_fp8) {
           score_block_fp8_dot<NR, NT>(ws.q_bf16.data() + size_t(r0) * D, as_codes(ws.krows) + t,
                                       D, dot_scale, *lookup, out, kTile);
+          return;
+        }
+      }
+      if constexpr (F != CacheFormat::kNative) {
+        if (ws.fp8_images) {
+          score_block<NR, NT>(ws.q.data() + size_t(r0) * D, as_bf16(krows_bf16) + t, kBf16Rows, D,
+                              out, kTile);
           return;
         }
       }
@@ -1499,12 +1523,16 @@ class CpuPagedAttention {
     std::fill(ws.state.begin(), ws.state.begin() + R, SoftmaxState::empty());
   }
 
-  // The FMA path reads bf16 V rows in load_pair's even/odd order (Reader::kEvenOddPairs), so it
-  // accumulates in that order, where AMX tile multiplies and the epilogue use dimension order:
-  // puts a task's R accumulator rows in the order asked, converting them if they are not.
+  // Whether the FMA path reads this task's K and V rows in load_pair's even/odd order: bf16 rows
+  // (a bf16 cache's, Reader::kEvenOddPairs, or an FP8 tile's images, ws.fp8_images).
+  static bool even_odd_rows(const Workspace& ws) { return Reader::kEvenOddPairs || ws.fp8_images; }
+
+  // The FMA path accumulates such V rows in that order, where AMX tile multiplies and the
+  // epilogue use dimension order: puts a task's R accumulator rows in the order asked,
+  // converting them if they are not.
   void set_acc_order(Workspace& ws, int R, bool even_odd) const {
 #if PAGEDSPEC_CPU_LEVEL >= 1
-    if constexpr (Reader::kEvenOddPairs) {
+    if (even_odd_rows(ws)) {
       if (ws.acc_even_odd == even_odd) return;
       const int D = p_.head_size;
       for (int r = 0; r < R; ++r) {
@@ -1542,7 +1570,7 @@ class CpuPagedAttention {
     if (ws.dot) {  // V rows and weights as bf16 for the dot path's P.V (those past a row unread)
       if constexpr (kDotCapable) {
         if (!ws.dot_fp8) {
-          ws.dot_vrows = bf16_rows(ws.vrows, 0, n, ws.vreader, Operand::kValues);
+          ws.vrows_bf16 = bf16_rows(ws.vrows, 0, n, ws.vreader, Operand::kValues);
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -1569,6 +1597,9 @@ class CpuPagedAttention {
                      ws.acc.data());
     } else {
       if (!ws.dot) set_acc_order(ws, R, true);
+      if (ws.fp8_images) {  // the V rows any row sees
+        ws.vrows_bf16 = bf16_rows(ws.vrows, 0, ws.visible[R - 1], ws.vreader, Operand::kValues);
+      }
       for (int r0 = 0; r0 < R; r0 += kRowBlock) {
         accumulate_rows(ws, r0, std::min(kRowBlock, R - r0), pf);
       }
@@ -1601,7 +1632,7 @@ class CpuPagedAttention {
           continue;
         }
       }
-      for (int d = 0; d < D; d += 32) bf16_value_pair(ws.dot_vrows, t, pair, d, out + d / 16);
+      for (int d = 0; d < D; d += 32) bf16_value_pair(ws.vrows_bf16, t, pair, d, out + d / 16);
     }
     for (int r0 = 0; r0 < R;) {
       const int nr = packed_block_rows(R - r0);
@@ -1665,7 +1696,16 @@ class CpuPagedAttention {
             if (ws.dot) {
               accumulate_block_dot<NR>(ws.acc.data() + size_t(row) * D,
                                        ws.w_bf16.data() + row * kTile + begin,
-                                       ws.dot_vrows + begin, end - begin, D, kTile, step);
+                                       ws.vrows_bf16 + begin, end - begin, D, kTile, step);
+              return;
+            }
+          }
+          if constexpr (F != CacheFormat::kNative) {
+            if (ws.fp8_images) {
+              accumulate_block<NR>(ws.acc.data() + size_t(row) * D,
+                                   ws.w.data() + row * kTile + begin,
+                                   as_bf16(ws.vrows_bf16) + begin, kBf16Rows, end - begin, D,
+                                   kTile, step);
               return;
             }
           }
@@ -1794,6 +1834,9 @@ class CpuPagedAttention {
  private:
   const PagedAttentionParams<QT, CacheT>& p_;
   const bool bf16_dot_;  // the dot path for every task the AMX path does not take
+  // The FMA path reads FP8 tiles as bf16 images (Workspace::fp8_images): the AVX-512 level,
+  // D a multiple of 32 (fp8_images_as_bf16) and VBMI (cpu_fp8_images).
+  const bool fp8_images_;
 };
 
 // The plan's work items as CPU tasks: one per item for all its KV heads (attend_item), or, where

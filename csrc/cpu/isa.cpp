@@ -64,6 +64,11 @@ bool cpu_avx512_vbmi() {
 #endif
 }
 
+bool cpu_fp8_images() {
+  const char* env = std::getenv("PAGEDSPEC_CPU_FP8_IMAGES");
+  return cpu_avx512_vbmi() && !(env != nullptr && std::string(env) == "0");
+}
+
 bool cpu_bf16_dot_supported() {
 #if defined(__x86_64__) || defined(__i386__)
   static const bool supported = cpu_supports(CpuIsa::kAvx512) &&

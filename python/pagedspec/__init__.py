@@ -32,7 +32,10 @@ def build_info() -> dict:
     ``cpu_bf16_dot`` and ``cpu_bf16_dot_fp8`` (whether that level's attention with bf16
     queries on a bf16 / an FP8 cache uses AVX512-BF16 dot products for the tasks the AMX paths
     leave: by default where the CPU has them and AVX512-VBMI, on AMD for both caches and on
-    Intel for FP8 caches only; ``PAGEDSPEC_CPU_BF16_DOT=0`` or ``1`` forces both).
+    Intel for FP8 caches only; ``PAGEDSPEC_CPU_BF16_DOT=0`` or ``1`` forces both) and
+    ``cpu_fp8_images`` (whether that level's FMA path, which the other query types and the tasks
+    the dot and AMX paths leave run, reads an FP8 tile as bf16 images converted once per tile:
+    where the CPU has AVX512-VBMI, unless ``PAGEDSPEC_CPU_FP8_IMAGES=0``).
     """
     with_cuda = bool(_C.with_cuda)
     return {
@@ -50,4 +53,5 @@ def build_info() -> dict:
         "cpu_amx": _C.cpu_amx(),
         "cpu_bf16_dot": _C.cpu_bf16_dot(),
         "cpu_bf16_dot_fp8": _C.cpu_bf16_dot_fp8(),
+        "cpu_fp8_images": _C.cpu_fp8_images(),
     }
