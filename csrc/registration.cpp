@@ -224,9 +224,14 @@ static PyObject* cpu_bf16_dot_fp8_in_use(PyObject*, PyObject*) {
   return PyBool_FromLong(pagedspec::cpu_bf16_dot(/*fp8_cache=*/true) ? 1 : 0);
 }
 
-// _C.cpu_fp8_images(): whether the avx512 level's FMA path reads FP8 tiles as bf16 images now.
+// _C.cpu_fp8_images(): whether the FMA path at the level in use reads FP8 tiles as images now.
 static PyObject* cpu_fp8_images_in_use(PyObject*, PyObject*) {
-  return PyBool_FromLong(pagedspec::cpu_fp8_images() ? 1 : 0);
+  try {
+    return PyBool_FromLong(pagedspec::cpu_fp8_images(pagedspec::cpu_isa()) ? 1 : 0);
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
 }
 
 static PyMethodDef kMethods[] = {
@@ -237,7 +242,7 @@ static PyMethodDef kMethods[] = {
     {"cpu_bf16_dot_fp8", cpu_bf16_dot_fp8_in_use, METH_NOARGS,
      "Whether CPU attention on FP8 caches uses AVX512-BF16 dot products now."},
     {"cpu_fp8_images", cpu_fp8_images_in_use, METH_NOARGS,
-     "Whether CPU attention's FMA path reads FP8 tiles as bf16 images now."},
+     "Whether CPU attention's FMA path reads FP8 tiles as images now."},
     {nullptr, nullptr, 0, nullptr}};
 
 extern "C" PyMODINIT_FUNC PyInit__C(void) {

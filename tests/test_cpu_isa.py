@@ -295,37 +295,47 @@ def test_bf16_rows_in_even_odd_order_at_every_level(gen, monkeypatch, level, var
     check_case(case, VARIANTS[variant], lse=True, mass=(variant == "v1"))
 
 
-def _fp8_images_supported() -> bool:
-    # The default where the CPU has AVX512-VBMI (and the avx512 level).
+def _fp8_images(level: str) -> bool:
+    # The default at `level`: at avx2, and at avx512 where the CPU has AVX512-VBMI.
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("PAGEDSPEC_CPU_FP8_IMAGES", raising=False)
+        mp.setenv("PAGEDSPEC_CPU_ISA", level)
         return pagedspec._C.cpu_fp8_images()
 
 
-HAS_FP8_IMAGES = _fp8_images_supported()
+FP8_IMAGE_LEVELS = [level for level in ("avx2", "avx512")
+                    if level in INFO["cpu_isa_supported"] and _fp8_images(level)]
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def image_level(request, monkeypatch):
+    """A level whose FMA path can read FP8 tiles as images, forced, its other paths off."""
+    if request.param not in FP8_IMAGE_LEVELS:
+        pytest.skip(f"this CPU lacks {request.param}" + (" with AVX512-VBMI"
+                                                         if request.param == "avx512" else ""))
+    monkeypatch.setenv("PAGEDSPEC_CPU_ISA", request.param)
+    monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", "0")
+    monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")
+    return request.param
 
 
 @pytest.mark.parametrize("images", ["1", "0"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("q_lens, seq_lens, heads", [([5, 1, 3], [5, 700, 40], (32, 8)),
-                                                     ([1, 2, 1], [1, 33, 1100], (8, 2))])
+                                                     ([1, 2, 1], [1, 33, 1100], (16, 2))])
 @pytest.mark.parametrize("head_size", [64, 96, 128, 80])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("cache_dtype", FP8, ids=str)
-def test_fp8_tiles_as_images_on_the_fma_path(gen, monkeypatch, images, variant, q_lens, seq_lens,
-                                             heads, head_size, dtype, cache_dtype):
-    """The avx512 level's FMA path (the dot and AMX paths off) on FP8 caches: each tile's codes
-    converted once to bf16 images and read in even/odd order, the queries and accumulators in
-    that order (PAGEDSPEC_CPU_FP8_IMAGES=1, where the CPU has VBMI), or converted in registers
-    block by block (=0; head size 80, not a multiple of 32, always). Verification rows, short and
-    split sequences, per-head scales, every query type, against the reference."""
-    if "avx512" not in INFO["cpu_isa_supported"]:
-        pytest.skip("the images are part of the avx512 level")
-    if images == "1" and not HAS_FP8_IMAGES:
-        pytest.skip("this CPU has no AVX512-VBMI")
-    monkeypatch.setenv("PAGEDSPEC_CPU_ISA", "avx512")
-    monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", "0")
-    monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")
+def test_fp8_tiles_as_images_on_the_fma_path(gen, monkeypatch, image_level, images, variant,
+                                             q_lens, seq_lens, heads, head_size, dtype,
+                                             cache_dtype):
+    """The FMA path (the dot and AMX paths off) on FP8 caches, tasks of more than one block of
+    rows (20 and 12 rows at group 4, 8 and 16 at group 8) reading each tile's codes converted
+    once to images (PAGEDSPEC_CPU_FP8_IMAGES=1: float32 at avx2; bf16 at avx512, read in
+    even/odd order with the queries and accumulators in that order; head size 80 there, not a
+    multiple of 32, never) or converted in registers block by block (=0), beside tasks of one
+    block. Verification rows, short and split sequences, per-head scales, every query type,
+    against the reference."""
     monkeypatch.setenv("PAGEDSPEC_CPU_FP8_IMAGES", images)
     assert pagedspec._C.cpu_fp8_images() == (images == "1")
     case = Case(gen, seq_lens=seq_lens, q_lens=q_lens, num_heads=heads[0], num_kv_heads=heads[1],
@@ -334,27 +344,24 @@ def test_fp8_tiles_as_images_on_the_fma_path(gen, monkeypatch, images, variant, 
     check_case(case, VARIANTS[variant], lse=True, mass=(variant == "v1"))
 
 
-@pytest.mark.skipif(not HAS_FP8_IMAGES, reason="this CPU has no AVX-512 with AVX512-VBMI")
 @pytest.mark.parametrize("cache_dtype", FP8, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_fp8_images_are_taken_and_isolate(gen, monkeypatch, cache_dtype, dtype):
+def test_fp8_images_are_taken_and_isolate(gen, monkeypatch, image_level, cache_dtype, dtype):
     """Images and codes converted in registers give the same floats, summed in another order
-    (even/odd against dimension order), so equal outputs would mean the images never ran; and a
-    later draft token's K and V set to NaN leave the earlier tokens bit-identical on them."""
-    monkeypatch.setenv("PAGEDSPEC_CPU_ISA", "avx512")
-    monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", "0")
-    monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "0")
+    at avx512 (even/odd against dimension order), so there equal outputs would mean the images
+    never ran; and at every level a later draft token's K and V set to NaN leave the earlier
+    tokens bit-identical on them."""
     case = Case(gen, seq_lens=[700, 1099], q_lens=[1, 5], num_heads=32, num_kv_heads=8,
                 head_size=128, block_size=16, dtype=dtype, cache_dtype=cache_dtype)
     monkeypatch.setenv("PAGEDSPEC_CPU_FP8_IMAGES", "0")
     codes, codes_lse, _ = case.run(ops.paged_attention, lse=True)
     monkeypatch.setenv("PAGEDSPEC_CPU_FP8_IMAGES", "1")
     images, images_lse, _ = case.run(ops.paged_attention, lse=True)
-    if dtype == torch.float32:
+    if image_level == "avx512" and dtype == torch.float32:
         assert not torch.equal(images, codes)
-    # float32 sums of the same products in another order; bf16 outputs may round alike.
-    torch.testing.assert_close(images.float(), codes.float(), rtol=1e-5 if dtype == torch.float32
-                               else 1.6e-2, atol=1e-5 if dtype == torch.float32 else 1.6e-2)
+    # float32 sums of the same products (in another order at avx512); bf16 outputs round them.
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(images.float(), codes.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(images_lse, codes_lse, rtol=1e-5, atol=1e-5)
     slot = int(case.block_tables[1, 1098 // 16]) * 16 + 1098 % 16  # the last draft token's row
     for cache in (case.key_cache, case.value_cache):
@@ -365,13 +372,34 @@ def test_fp8_images_are_taken_and_isolate(gen, monkeypatch, cache_dtype, dtype):
     assert not torch.isfinite(out[last]).all()
 
 
-@pytest.mark.parametrize("images", ["1", "0"])
 @pytest.mark.parametrize("scale", [0.37, 3.0, 1e-3])
 @pytest.mark.parametrize("cache_dtype", FP8)
-def test_fp8_decoding_is_exact_at_every_level(monkeypatch, level, cache_dtype, scale, images):
-    # Every FP8 code as the V of a one-position sequence: exactly stored * scale (NaN stays NaN),
-    # at the avx512 level also through the images (where the CPU has VBMI) and without.
-    monkeypatch.setenv("PAGEDSPEC_CPU_FP8_IMAGES", images)
+def test_fp8_images_decode_every_code_exactly(monkeypatch, image_level, cache_dtype, scale):
+    """Every FP8 code as the V of a one-position sequence read by 8 query heads of one KV head
+    (a task of more rows than a block, so through the images): each output exactly stored *
+    scale, NaN staying NaN."""
+    monkeypatch.setenv("PAGEDSPEC_CPU_FP8_IMAGES", "1")
+    n, heads, head_size = 256, 8, 64
+    codes = torch.arange(n, dtype=torch.uint8)
+    key_cache = torch.zeros(n, 1, 1, head_size, dtype=torch.uint8).view(cache_dtype)
+    value_cache = codes.view(n, 1, 1, 1).expand(n, 1, 1, head_size).contiguous().view(cache_dtype)
+    query = torch.randn(n, heads, head_size).half()
+    want = (codes.view(cache_dtype).float() * scale).half()[:, None, None].expand(n, heads,
+                                                                                  head_size)
+    out = torch.empty_like(query)
+    ops.paged_attention(out, query, key_cache, value_cache,
+                        torch.arange(n, dtype=torch.int32).view(n, 1),
+                        torch.ones(n, dtype=torch.int32), torch.arange(n + 1, dtype=torch.int32),
+                        1, 1.0, torch.tensor(scale), torch.tensor(scale))
+    assert torch.equal(torch.isnan(out), torch.isnan(want))
+    finite = ~torch.isnan(want)
+    assert torch.equal(out[finite], want[finite])
+
+
+@pytest.mark.parametrize("scale", [0.37, 3.0, 1e-3])
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_fp8_decoding_is_exact_at_every_level(level, cache_dtype, scale):
+    # Every FP8 code as the V of a one-position sequence: exactly stored * scale (NaN stays NaN).
     test_attention.test_fp8_decode_is_exact("cpu", cache_dtype, scale)
 
 

@@ -21,9 +21,9 @@
 // kLanesMaxRows rows (score_tile_lanes; 4 x 4 blocks on FP8 codes converted in registers), and
 // for more rows (verification, wide GQA groups) a K tile packed pair-major once for all the rows
 // (score_tile_packed, scores in lanes position by position) and V pairs built once per tile
-// (accumulate_tile_packed). The FMA path there reads an FP8 tile (head size a multiple of 32, on
-// CPUs with VBMI) as the bf16 images of its codes, converted once per tile for all the rows
-// (Workspace::fp8_images), instead of converting codes as each block of rows reads them.
+// (accumulate_tile_packed). Tasks of more than one block of rows on the FMA path read an FP8 tile
+// as images of its codes converted once per tile (bf16 with VBMI at AVX-512, float32 at AVX2;
+// Workspace::fp8_images), instead of converting the codes as each block of rows reads them.
 //
 // The work comes from a split-KV plan (attention_plan.h): one task per (item, KV head); items of
 // split sequences write a partial (acc, max, sum), merged afterwards with merge_softmax.
@@ -813,6 +813,12 @@ struct RowInfo {
 template <typename QT, typename CacheT, CacheFormat F>
 class CpuPagedAttention {
   using Reader = CacheReader<CacheT, F>;
+  // The images an FP8 tile is read through on the FMA path (fp8_image_rows), their reader, and
+  // the head sizes they take.
+  using ImageT = std::conditional_t<PAGEDSPEC_CPU_LEVEL == 2, c10::BFloat16, float>;
+  using ImageReader = CacheReader<ImageT, CacheFormat::kNative>;
+  static constexpr ImageReader kImageReader{};
+  static constexpr int kImageStep = PAGEDSPEC_CPU_LEVEL == 2 ? 32 : kLanes;
   // Positions per tile, and so how far ahead the next tile's cache tokens are prefetched: on an
   // AVX2-only Zen 2 every prefetch fills L1, and the next 32 tokens of 8 heads (128 KB in bf16)
   // streamed through it evicted one another and the rows in use before they were read. 16 made
@@ -824,8 +830,9 @@ class CpuPagedAttention {
   explicit CpuPagedAttention(const PagedAttentionParams<QT, CacheT>& p)
       : p_(p), bf16_dot_(kDotCapable && p.head_size % 32 == 0 &&
                   cpu_bf16_dot(F != CacheFormat::kNative)),
-        fp8_images_(PAGEDSPEC_CPU_LEVEL == 2 && F != CacheFormat::kNative &&
-                    p.head_size % 32 == 0 && cpu_fp8_images()) {}
+        fp8_images_(F != CacheFormat::kNative && PAGEDSPEC_CPU_LEVEL >= 1 &&
+                    p.head_size % kImageStep == 0 &&
+                    cpu_fp8_images(PAGEDSPEC_CPU_LEVEL == 2 ? CpuIsa::kAvx512 : CpuIsa::kAvx2)) {}
 
   RowInfo row_info(int seq, int kv_head, int row) const {
     const int G = p_.group_size();
@@ -857,13 +864,13 @@ class CpuPagedAttention {
     const CacheT* krows[kTile];
     const CacheT* vrows[kTile];
     CacheReader<CacheT, F> kreader, vreader;
-    // This tile's V rows as bf16: the dot path's, or an FP8 tile's images for the FMA path.
-    const uint16_t* const* vrows_bf16 = nullptr;
-    // The FMA path reads this task's FP8 K and V tiles through their bf16 images (bf16_rows,
-    // converted once per tile) as it reads a bf16 cache, in even/odd order, instead of
-    // converting the codes in every block of rows: verification rows, 5 blocks of 4 at q = 5 and
-    // group 4, read each code 5 times.
+    const uint16_t* const* dot_vrows = nullptr;  // the dot path: this tile's V rows as bf16
+    // The FMA path reads this task's FP8 K and V tiles as images (fp8_image_rows: converted
+    // once per tile, then read as a bf16 or float32 cache is) instead of converting the codes
+    // for every block of rows, which the 20 rows of a 5-token draft at group 4 did 5 times at
+    // AVX-512 and 4 at AVX2. v_images: this tile's V rows there.
     bool fp8_images = false;
+    const ImageT* const* v_images = nullptr;
     bool acc_even_odd = false;  // acc rows in load_pair's even/odd order (set_acc_order)
 
     explicit Workspace(int D)
@@ -892,11 +899,14 @@ class CpuPagedAttention {
   // Chooses a task's path: AMX tile multiplies, the bf16 dot products or the FMA path.
   void choose_path(Workspace& ws, int R) const {
     ws.amx = use_amx(R);
-    set_dot(ws, bf16_dot_ && !ws.amx);
+    set_dot(ws, bf16_dot_ && !ws.amx, R);
   }
-  void set_dot(Workspace& ws, bool dot) const {
+  // ... and whether R rows on the FMA path read FP8 tiles as images: where more than one block
+  // of rows would convert each code (one block, as in decode at group 4, converts it once
+  // either way).
+  void set_dot(Workspace& ws, bool dot, int R) const {
     ws.dot = dot;
-    ws.fp8_images = fp8_images_ && !dot;
+    ws.fp8_images = fp8_images_ && !dot && R > kRowBlock;
     // FP8 codes converted as they are read where D allows (score_block_fp8_dot), else images.
     // Converting them once per block of 4 rows, not once per tile, is no slower for the 20 rows
     // of a 5-token draft at group 4 (A/B: 14.4 against 14.5 ms at B=8 ctx=2048, 1 thread).
@@ -1008,12 +1018,35 @@ class CpuPagedAttention {
   static const uint8_t* const* as_codes(const CacheT* const* rows) {
     return reinterpret_cast<const uint8_t* const*>(rows);
   }
-  // bf16 rows (bf16_rows) as the FMA path's bf16 cache rows, and their reader.
-  static const c10::BFloat16* const* as_bf16(const uint16_t* const* rows) {
-    return reinterpret_cast<const c10::BFloat16* const*>(rows);
-  }
-  static constexpr CacheReader<c10::BFloat16, CacheFormat::kNative> kBf16Rows{};
 #endif
+
+  // Rows [0, n) of an FP8 tile's K or V rows as the images the FMA path reads (Workspace::
+  // fp8_images): at AVX-512 the bf16 rows of bf16_rows (VBMI; read in even/odd order), at AVX2
+  // float32 rows from CacheReader::load16 (the conversion the codes took in registers; 8 KB of
+  // K and 8 KB of V a 16-position tile at D = 128). Valid until the next call for the operand.
+  const ImageT* const* fp8_image_rows(const CacheT* const* rows, int n, const Reader& reader,
+                                      Operand which) const {
+#if PAGEDSPEC_CPU_LEVEL == 2
+    return reinterpret_cast<const ImageT* const*>(bf16_rows(rows, 0, n, reader, which));
+#elif PAGEDSPEC_CPU_LEVEL == 1
+    const int D = p_.head_size;
+    static thread_local struct {
+      std::vector<float, LineAligned<float>> values[2];
+      const float* rows[2][kTile];
+    } images;
+    const int i = which == Operand::kKeys ? 0 : 1;
+    images.values[i].resize(size_t(kTile) * D);
+    for (int t = 0; t < n; ++t) {
+      float* row = images.values[i].data() + size_t(t) * D;
+      for (int d = 0; d < D; d += kLanes) vstore(row + d, reader.load16(rows[t] + d));
+      images.rows[i][t] = row;
+    }
+    return images.rows[i];
+#else
+    (void)rows, (void)n, (void)reader, (void)which;
+    return nullptr;
+#endif
+  }
 
   // Sets pf to the cache lines of positions [first, first + n) of sequence seq, for KV heads
   // [kv_head, kv_head + num_heads) (adjacent in a cache token) of K, and of V if `values`, paced
@@ -1156,15 +1189,17 @@ class CpuPagedAttention {
   void score_tile(const Task& task, Workspace& ws, TilePrefetch& pf) const {
     const int D = p_.head_size;
     const int R = task.num_rows;
-    // The dot path's scale; K rows as bf16 (those any row sees) for the dot path or an FP8 tile's
-    // images for the FMA path.
+    // The dot path's scale and K rows as bf16 (those any row sees); the FMA path's FP8 images.
     [[maybe_unused]] const float dot_scale = score_scale(task.kv_head);
     [[maybe_unused]] const uint16_t* const* krows_bf16 = nullptr;
-    if constexpr (kDotCapable || F != CacheFormat::kNative) {
-      if ((ws.dot && !ws.dot_fp8) || ws.fp8_images) {
+    if constexpr (kDotCapable) {
+      if (ws.dot && !ws.dot_fp8) {
         krows_bf16 = bf16_rows(ws.krows, 0, ws.visible[R - 1], ws.kreader, Operand::kKeys);
       }
     }
+    const ImageT* const* k_images =
+        ws.fp8_images ? fp8_image_rows(ws.krows, ws.visible[R - 1], ws.kreader, Operand::kKeys)
+                      : nullptr;
 #if PAGEDSPEC_CPU_LEVEL == 2
     const std::optional<Fp8ImageLookup> lookup = fp8_lookup(ws, ws.kreader);
     if constexpr (kDotCapable) {
@@ -1188,14 +1223,14 @@ class CpuPagedAttention {
           return;
         }
       }
+#endif
       if constexpr (F != CacheFormat::kNative) {
-        if (ws.fp8_images) {
-          score_block<NR, NT>(ws.q.data() + size_t(r0) * D, as_bf16(krows_bf16) + t, kBf16Rows, D,
-                              out, kTile);
+        if (k_images != nullptr) {
+          score_block<NR, NT>(ws.q.data() + size_t(r0) * D, k_images + t, kImageReader, D, out,
+                              kTile);
           return;
         }
       }
-#endif
       score_block<NR, NT>(ws.q.data() + size_t(r0) * D, ws.krows + t, ws.kreader, D, out, kTile);
     };
     for (int r0 = 0; r0 < R; r0 += kRowBlock) {
@@ -1524,8 +1559,10 @@ class CpuPagedAttention {
   }
 
   // Whether the FMA path reads this task's K and V rows in load_pair's even/odd order: bf16 rows
-  // (a bf16 cache's, Reader::kEvenOddPairs, or an FP8 tile's images, ws.fp8_images).
-  static bool even_odd_rows(const Workspace& ws) { return Reader::kEvenOddPairs || ws.fp8_images; }
+  // (a bf16 cache's, Reader::kEvenOddPairs, or an FP8 tile's images at AVX-512).
+  static bool even_odd_rows(const Workspace& ws) {
+    return Reader::kEvenOddPairs || (ws.fp8_images && ImageReader::kEvenOddPairs);
+  }
 
   // The FMA path accumulates such V rows in that order, where AMX tile multiplies and the
   // epilogue use dimension order: puts a task's R accumulator rows in the order asked,
@@ -1570,7 +1607,7 @@ class CpuPagedAttention {
     if (ws.dot) {  // V rows and weights as bf16 for the dot path's P.V (those past a row unread)
       if constexpr (kDotCapable) {
         if (!ws.dot_fp8) {
-          ws.vrows_bf16 = bf16_rows(ws.vrows, 0, n, ws.vreader, Operand::kValues);
+          ws.dot_vrows = bf16_rows(ws.vrows, 0, n, ws.vreader, Operand::kValues);
         }
       }
       for (int r = 0; r < R; ++r) {
@@ -1598,7 +1635,7 @@ class CpuPagedAttention {
     } else {
       if (!ws.dot) set_acc_order(ws, R, true);
       if (ws.fp8_images) {  // the V rows any row sees
-        ws.vrows_bf16 = bf16_rows(ws.vrows, 0, ws.visible[R - 1], ws.vreader, Operand::kValues);
+        ws.v_images = fp8_image_rows(ws.vrows, ws.visible[R - 1], ws.vreader, Operand::kValues);
       }
       for (int r0 = 0; r0 < R; r0 += kRowBlock) {
         accumulate_rows(ws, r0, std::min(kRowBlock, R - r0), pf);
@@ -1632,7 +1669,7 @@ class CpuPagedAttention {
           continue;
         }
       }
-      for (int d = 0; d < D; d += 32) bf16_value_pair(ws.vrows_bf16, t, pair, d, out + d / 16);
+      for (int d = 0; d < D; d += 32) bf16_value_pair(ws.dot_vrows, t, pair, d, out + d / 16);
     }
     for (int r0 = 0; r0 < R;) {
       const int nr = packed_block_rows(R - r0);
@@ -1696,20 +1733,19 @@ class CpuPagedAttention {
             if (ws.dot) {
               accumulate_block_dot<NR>(ws.acc.data() + size_t(row) * D,
                                        ws.w_bf16.data() + row * kTile + begin,
-                                       ws.vrows_bf16 + begin, end - begin, D, kTile, step);
-              return;
-            }
-          }
-          if constexpr (F != CacheFormat::kNative) {
-            if (ws.fp8_images) {
-              accumulate_block<NR>(ws.acc.data() + size_t(row) * D,
-                                   ws.w.data() + row * kTile + begin,
-                                   as_bf16(ws.vrows_bf16) + begin, kBf16Rows, end - begin, D,
-                                   kTile, step);
+                                       ws.dot_vrows + begin, end - begin, D, kTile, step);
               return;
             }
           }
 #endif
+          if constexpr (F != CacheFormat::kNative) {
+            if (ws.fp8_images) {
+              accumulate_block<NR>(ws.acc.data() + size_t(row) * D,
+                                   ws.w.data() + row * kTile + begin, ws.v_images + begin,
+                                   kImageReader, end - begin, D, kTile, step);
+              return;
+            }
+          }
           accumulate_block<NR>(ws.acc.data() + size_t(row) * D, ws.w.data() + row * kTile + begin,
                                ws.vrows + begin, ws.vreader, end - begin, D, kTile, step);
         });
@@ -1800,7 +1836,8 @@ class CpuPagedAttention {
           for (int row0 = 0; row0 < q_len * G; row0 += kMaxRows) {
             const Task task{span.seq, kv_head, 1, row0, std::min(kMaxRows, q_len * G - row0),
                             span.pos_begin, span.pos_end, 0};
-            set_dot(ws, bf16_dot_);  // scores as attend_tile() computes them (AMX aside)
+            // Scores as attend_tile() computes them (AMX aside).
+            set_dot(ws, bf16_dot_, task.num_rows);
             load_queries(task, ws);
             for (int r = 0; r < task.num_rows; ++r) {
               lse2[r] = lse[int64_t(ws.rows[r].token) * p_.num_heads + ws.rows[r].head] * kLog2e;
@@ -1834,8 +1871,8 @@ class CpuPagedAttention {
  private:
   const PagedAttentionParams<QT, CacheT>& p_;
   const bool bf16_dot_;  // the dot path for every task the AMX path does not take
-  // The FMA path reads FP8 tiles as bf16 images (Workspace::fp8_images): the AVX-512 level,
-  // D a multiple of 32 (fp8_images_as_bf16) and VBMI (cpu_fp8_images).
+  // The FMA path may read FP8 tiles as images (Workspace::fp8_images): AVX2, or AVX-512 with
+  // VBMI and D a multiple of 32 (cpu_fp8_images, fp8_images_as_bf16).
   const bool fp8_images_;
 };
 

@@ -64,9 +64,10 @@ bool cpu_avx512_vbmi() {
 #endif
 }
 
-bool cpu_fp8_images() {
+bool cpu_fp8_images(CpuIsa level) {
   const char* env = std::getenv("PAGEDSPEC_CPU_FP8_IMAGES");
-  return cpu_avx512_vbmi() && !(env != nullptr && std::string(env) == "0");
+  if (env != nullptr && std::string(env) == "0") return false;
+  return level == CpuIsa::kAvx2 || (level == CpuIsa::kAvx512 && cpu_avx512_vbmi());
 }
 
 bool cpu_bf16_dot_supported() {

@@ -36,11 +36,12 @@ bool cpu_bf16_dot_supported();
 bool cpu_bf16_dot(bool fp8_cache);
 // Whether the CPU has AVX512-VBMI (byte permutes: the attention's FP8 -> bf16 conversion).
 bool cpu_avx512_vbmi();
-// Whether the avx512 level's FMA path (attention with float32 or fp16 queries, or bf16 ones off
-// the dot and AMX paths) reads an FP8 tile as the bf16 images of its codes, converted once per
-// tile by VBMI byte lookups, rather than converting codes in registers for each block of 4
-// rows: where the CPU has VBMI (Ice Lake and later, Zen 4), unless PAGEDSPEC_CPU_FP8_IMAGES=0,
-// which runs it as on AVX-512 CPUs without (Skylake-SP, Cascade Lake). Read at every call.
-bool cpu_fp8_images();
+// Whether the FMA path at `level` (attention with float32 or fp16 queries, or bf16 ones off the
+// dot and AMX paths) reads an FP8 tile as images of its codes converted once per tile, for
+// tasks of more than one block of rows, rather than converting codes in registers for each
+// block: at avx2 (float32 images), and at avx512 where the CPU has VBMI (bf16 images by byte
+// lookups; Ice Lake and later, Zen 4); never at baseline. PAGEDSPEC_CPU_FP8_IMAGES=0 turns it
+// off (as an AVX-512 CPU without VBMI runs, Skylake-SP, Cascade Lake). Read at every call.
+bool cpu_fp8_images(CpuIsa level);
 
 }  // namespace pagedspec

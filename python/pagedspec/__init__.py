@@ -33,9 +33,10 @@ def build_info() -> dict:
     queries on a bf16 / an FP8 cache uses AVX512-BF16 dot products for the tasks the AMX paths
     leave: by default where the CPU has them and AVX512-VBMI, on AMD for both caches and on
     Intel for FP8 caches only; ``PAGEDSPEC_CPU_BF16_DOT=0`` or ``1`` forces both) and
-    ``cpu_fp8_images`` (whether that level's FMA path, which the other query types and the tasks
-    the dot and AMX paths leave run, reads an FP8 tile as bf16 images converted once per tile:
-    where the CPU has AVX512-VBMI, unless ``PAGEDSPEC_CPU_FP8_IMAGES=0``).
+    ``cpu_fp8_images`` (whether the FMA path at the level in use, which the other query types
+    and the tasks the dot and AMX paths leave run, reads an FP8 tile as images converted once per
+    tile for tasks of several blocks of query rows: at avx2, and at avx512 where the CPU has
+    AVX512-VBMI, unless ``PAGEDSPEC_CPU_FP8_IMAGES=0``).
     """
     with_cuda = bool(_C.with_cuda)
     return {
