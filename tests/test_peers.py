@@ -152,6 +152,10 @@ def test_isa_modes_hold_pagedspec_to_the_cpu_class(isa, monkeypatch):
     assert info["cpu_isa"] == isa
     if isa == "avx512":
         assert not info["cpu_bf16_dot"] and not info["cpu_bf16_dot_fp8"] and not info["cpu_amx"]
-    assert common.pagedspec_kernel(info) == isa
-    both = dict(info, cpu_bf16_dot=True, cpu_amx=True)
+    plain = dict(info, cpu_fp8_images=False)
+    assert common.pagedspec_kernel(plain) == isa
+    both = dict(plain, cpu_bf16_dot=True, cpu_amx=True)
     assert common.pagedspec_kernel(both) == ("avx512 (bf16 dot, amx)" if isa == "avx512" else isa)
+    images = dict(both, cpu_fp8_images=True)
+    assert common.pagedspec_kernel(images) == (
+        "avx512 (bf16 dot, amx, fp8 images)" if isa == "avx512" else f"{isa} (fp8 images)")

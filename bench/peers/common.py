@@ -44,13 +44,14 @@ def pagedspec_isa_env(isa: str) -> dict:
 
 
 def pagedspec_kernel(info: dict) -> str:
-    """Which of pagedspec's CPU kernels run, from build_info(): the level and, at avx512 (which
-    build_info's cpu_bf16_dot and cpu_amx describe at any level), its bf16 paths."""
-    extras = [name for name, on in (("bf16 dot", info.get("cpu_bf16_dot")),
-                                    ("amx", info.get("cpu_amx"))) if on]
-    if info["cpu_isa"] != "avx512" or not extras:
-        return info["cpu_isa"]
-    return f"avx512 ({', '.join(extras)})"
+    """Which of pagedspec's CPU kernels run, from build_info(): the level and what it takes beside
+    its FMA path: at avx512 (which build_info's cpu_bf16_dot and cpu_amx describe at any level)
+    its bf16 paths, and at the level in use FP8 tiles read as images (cpu_fp8_images; at avx512
+    only where the CPU has VBMI, as Ice Lake has and Skylake-SP and Cascade Lake have not)."""
+    paths = [("bf16 dot", info.get("cpu_bf16_dot")), ("amx", info.get("cpu_amx"))]
+    extras = [name for name, on in paths if on] if info["cpu_isa"] == "avx512" else []
+    extras += ["fp8 images"] if info.get("cpu_fp8_images") else []
+    return f"{info['cpu_isa']} ({', '.join(extras)})" if extras else info["cpu_isa"]
 
 
 def case_name(case: dict) -> str:
