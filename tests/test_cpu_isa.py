@@ -331,9 +331,8 @@ def test_fp8_tiles_as_images_on_the_fma_path(gen, monkeypatch, image_level, imag
                                              cache_dtype):
     """The FMA path (the dot and AMX paths off) on FP8 caches, tasks of more than one block of
     rows (20 and 12 rows at group 4, 8 and 16 at group 8) reading each tile's codes converted
-    once to images (PAGEDSPEC_CPU_FP8_IMAGES=1: float32 at avx2; bf16 at avx512, read in
-    even/odd order with the queries and accumulators in that order; head size 80 there, not a
-    multiple of 32, never) or converted in registers block by block (=0), beside tasks of one
+    once to bf16 images (PAGEDSPEC_CPU_FP8_IMAGES=1), read in even/odd order with the queries
+    and accumulators in that order (at avx512 head size 80, not a multiple of 32, never) or converted in registers block by block (=0), beside tasks of one
     block. Verification rows, short and split sequences, per-head scales, every query type,
     against the reference."""
     monkeypatch.setenv("PAGEDSPEC_CPU_FP8_IMAGES", images)
@@ -348,18 +347,17 @@ def test_fp8_tiles_as_images_on_the_fma_path(gen, monkeypatch, image_level, imag
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_fp8_images_are_taken_and_isolate(gen, monkeypatch, image_level, cache_dtype, dtype):
     """Images and codes converted in registers give the same floats, summed in another order
-    at avx512 (even/odd against dimension order), so there equal outputs would mean the images
-    never ran; and at every level a later draft token's K and V set to NaN leave the earlier
-    tokens bit-identical on them."""
+    (even/odd against dimension order), so equal outputs would mean the images never ran; and a
+    later draft token's K and V set to NaN leave the earlier tokens bit-identical on them."""
     case = Case(gen, seq_lens=[700, 1099], q_lens=[1, 5], num_heads=32, num_kv_heads=8,
                 head_size=128, block_size=16, dtype=dtype, cache_dtype=cache_dtype)
     monkeypatch.setenv("PAGEDSPEC_CPU_FP8_IMAGES", "0")
     codes, codes_lse, _ = case.run(ops.paged_attention, lse=True)
     monkeypatch.setenv("PAGEDSPEC_CPU_FP8_IMAGES", "1")
     images, images_lse, _ = case.run(ops.paged_attention, lse=True)
-    if image_level == "avx512" and dtype == torch.float32:
+    if dtype == torch.float32:
         assert not torch.equal(images, codes)
-    # float32 sums of the same products (in another order at avx512); bf16 outputs round them.
+    # float32 sums of the same products in another order; bf16 outputs round them.
     tol = 1e-5 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(images.float(), codes.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(images_lse, codes_lse, rtol=1e-5, atol=1e-5)

@@ -22,8 +22,8 @@
 // for more rows (verification, wide GQA groups) a K tile packed pair-major once for all the rows
 // (score_tile_packed, scores in lanes position by position) and V pairs built once per tile
 // (accumulate_tile_packed). Tasks of more than one block of rows on the FMA path read an FP8 tile
-// as images of its codes converted once per tile (bf16 with VBMI at AVX-512, float32 at AVX2;
-// Workspace::fp8_images), instead of converting the codes as each block of rows reads them.
+// as the bf16 images of its codes converted once per tile (with VBMI at AVX-512, through F16C at
+// AVX2; Workspace::fp8_images), instead of converting the codes as each block of rows reads them.
 //
 // The work comes from a split-KV plan (attention_plan.h): one task per (item, KV head); items of
 // split sequences write a partial (acc, max, sum), merged afterwards with merge_softmax.
@@ -813,9 +813,9 @@ struct RowInfo {
 template <typename QT, typename CacheT, CacheFormat F>
 class CpuPagedAttention {
   using Reader = CacheReader<CacheT, F>;
-  // The images an FP8 tile is read through on the FMA path (fp8_image_rows), their reader, and
-  // the head sizes they take.
-  using ImageT = std::conditional_t<PAGEDSPEC_CPU_LEVEL == 2, c10::BFloat16, float>;
+  // The images an FP8 tile is read through on the FMA path (fp8_image_rows: bf16, exact), their
+  // reader, and the head sizes they take.
+  using ImageT = c10::BFloat16;
   using ImageReader = CacheReader<ImageT, CacheFormat::kNative>;
   static constexpr ImageReader kImageReader{};
   static constexpr int kImageStep = PAGEDSPEC_CPU_LEVEL == 2 ? 32 : kLanes;
@@ -866,7 +866,7 @@ class CpuPagedAttention {
     CacheReader<CacheT, F> kreader, vreader;
     const uint16_t* const* dot_vrows = nullptr;  // the dot path: this tile's V rows as bf16
     // The FMA path reads this task's FP8 K and V tiles as images (fp8_image_rows: converted
-    // once per tile, then read as a bf16 or float32 cache is) instead of converting the codes
+    // once per tile, then read as a bf16 cache is) instead of converting the codes
     // for every block of rows, which the 20 rows of a 5-token draft at group 4 did 5 times at
     // AVX-512 and 4 at AVX2. v_images: this tile's V rows there.
     bool fp8_images = false;
@@ -1020,28 +1020,35 @@ class CpuPagedAttention {
   }
 #endif
 
-  // Rows [0, n) of an FP8 tile's K or V rows as the images the FMA path reads (Workspace::
-  // fp8_images): at AVX-512 the bf16 rows of bf16_rows (VBMI; read in even/odd order), at AVX2
-  // float32 rows from CacheReader::load16 (the conversion the codes took in registers; 8 KB of
-  // K and 8 KB of V a 16-position tile at D = 128). Valid until the next call for the operand.
+  // Rows [0, n) of an FP8 tile's K or V rows as the bf16 images the FMA path reads, as it reads
+  // a bf16 cache (in even/odd order; Workspace::fp8_images): at AVX-512 those of bf16_rows (VBMI),
+  // at AVX2 the floats of CacheReader::load16 (the conversion the codes took in registers) cut to
+  // their high halves, exactly. bf16 rather than float32 images: at AVX2 a bf16 cache's q=5 ran
+  // 21 ms through its own rows and 25 ms through float32 images of them. Valid until the next
+  // call for the operand.
   const ImageT* const* fp8_image_rows(const CacheT* const* rows, int n, const Reader& reader,
                                       Operand which) const {
 #if PAGEDSPEC_CPU_LEVEL == 2
     return reinterpret_cast<const ImageT* const*>(bf16_rows(rows, 0, n, reader, which));
 #elif PAGEDSPEC_CPU_LEVEL == 1
     const int D = p_.head_size;
-    static thread_local struct {
-      std::vector<float, LineAligned<float>> values[2];
-      const float* rows[2][kTile];
-    } images;
-    const int i = which == Operand::kKeys ? 0 : 1;
-    images.values[i].resize(size_t(kTile) * D);
+    TileImages& images = tile_images(D);
+    const bool keys = which == Operand::kKeys;
+    uint16_t* buf = (keys ? images.k : images.v).data();
+    const uint16_t** out = keys ? images.k_rows : images.v_rows;
     for (int t = 0; t < n; ++t) {
-      float* row = images.values[i].data() + size_t(t) * D;
-      for (int d = 0; d < D; d += kLanes) vstore(row + d, reader.load16(rows[t] + d));
-      images.rows[i][t] = row;
+      uint16_t* row = buf + size_t(t) * D;
+      for (int d = 0; d < D; d += kLanes) {
+        const vfloat x = reader.load16(rows[t] + d);
+        const __m256i lo = _mm256_srli_epi32(_mm256_castps_si256(x.lo), 16);
+        const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(x.hi), 16);
+        // packus interleaves the 128-bit lanes (lo 0-3, hi 0-3, lo 4-7, hi 4-7): 0xD8 restores them.
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + d),
+                            _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8));
+      }
+      out[t] = row;
     }
-    return images.rows[i];
+    return reinterpret_cast<const ImageT* const*>(out);
 #else
     (void)rows, (void)n, (void)reader, (void)which;
     return nullptr;
