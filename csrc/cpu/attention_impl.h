@@ -1042,7 +1042,7 @@ class CpuPagedAttention {
         const vfloat x = reader.load16(rows[t] + d);
         const __m256i lo = _mm256_srli_epi32(_mm256_castps_si256(x.lo), 16);
         const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(x.hi), 16);
-        // packus interleaves the 128-bit lanes (lo 0-3, hi 0-3, lo 4-7, hi 4-7): 0xD8 restores them.
+        // packus interleaves the 128-bit lanes (lo 0-3, hi 0-3, lo 4-7, hi 4-7); 0xD8 undoes it.
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + d),
                             _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8));
       }
@@ -1566,7 +1566,7 @@ class CpuPagedAttention {
   }
 
   // Whether the FMA path reads this task's K and V rows in load_pair's even/odd order: bf16 rows
-  // (a bf16 cache's, Reader::kEvenOddPairs, or an FP8 tile's images at AVX-512).
+  // (a bf16 cache's, Reader::kEvenOddPairs, or an FP8 tile's images, ws.fp8_images).
   static bool even_odd_rows(const Workspace& ws) {
     return Reader::kEvenOddPairs || (ws.fp8_images && ImageReader::kEvenOddPairs);
   }
