@@ -329,12 +329,13 @@ def image_level(request, monkeypatch):
 def test_fp8_tiles_as_images_on_the_fma_path(gen, monkeypatch, image_level, images, variant,
                                              q_lens, seq_lens, heads, head_size, dtype,
                                              cache_dtype):
-    """The FMA path (the dot and AMX paths off) on FP8 caches, tasks of more than one block of
-    rows (20 and 12 rows at group 4, 8 and 16 at group 8) reading each tile's codes converted
-    once to bf16 images (PAGEDSPEC_CPU_FP8_IMAGES=1), read in even/odd order with the queries
-    and accumulators in that order (at avx512 head size 80, not a multiple of 32, never) or converted in registers block by block (=0), beside tasks of one
-    block. Verification rows, short and split sequences, per-head scales, every query type,
-    against the reference."""
+    """The FMA path (the dot and AMX paths off) on FP8 caches: tasks with more rows than the
+    images need (more than 4 at avx512, 10 at avx2: here 20 and 12 rows at group 4, 16 and 8 at
+    group 8) read each tile's codes converted once to bf16 images (PAGEDSPEC_CPU_FP8_IMAGES=1)
+    in even/odd order, with the queries and accumulators in that order (at avx512 head size 80,
+    not a multiple of 32, never), or converted in registers block by block (=0); the other tasks
+    convert in registers either way. Verification rows, short and split sequences, per-head
+    scales, every query type, against the reference."""
     monkeypatch.setenv("PAGEDSPEC_CPU_FP8_IMAGES", images)
     assert pagedspec._C.cpu_fp8_images() == (images == "1")
     case = Case(gen, seq_lens=seq_lens, q_lens=q_lens, num_heads=heads[0], num_kv_heads=heads[1],
@@ -373,11 +374,11 @@ def test_fp8_images_are_taken_and_isolate(gen, monkeypatch, image_level, cache_d
 @pytest.mark.parametrize("scale", [0.37, 3.0, 1e-3])
 @pytest.mark.parametrize("cache_dtype", FP8)
 def test_fp8_images_decode_every_code_exactly(monkeypatch, image_level, cache_dtype, scale):
-    """Every FP8 code as the V of a one-position sequence read by 8 query heads of one KV head
-    (a task of more rows than a block, so through the images): each output exactly stored *
+    """Every FP8 code as the V of a one-position sequence read by 16 query heads of one KV head
+    (a task of more rows than the images need at either level): each output exactly stored *
     scale, NaN staying NaN."""
     monkeypatch.setenv("PAGEDSPEC_CPU_FP8_IMAGES", "1")
-    n, heads, head_size = 256, 8, 64
+    n, heads, head_size = 256, 16, 64
     codes = torch.arange(n, dtype=torch.uint8)
     key_cache = torch.zeros(n, 1, 1, head_size, dtype=torch.uint8).view(cache_dtype)
     value_cache = codes.view(n, 1, 1, 1).expand(n, 1, 1, head_size).contiguous().view(cache_dtype)

@@ -21,7 +21,7 @@
 // kLanesMaxRows rows (score_tile_lanes; 4 x 4 blocks on FP8 codes converted in registers), and
 // for more rows (verification, wide GQA groups) a K tile packed pair-major once for all the rows
 // (score_tile_packed, scores in lanes position by position) and V pairs built once per tile
-// (accumulate_tile_packed). Tasks of more than one block of rows on the FMA path read an FP8 tile
+// (accumulate_tile_packed). Tasks of several blocks of rows on the FMA path read an FP8 tile
 // as the bf16 images of its codes converted once per tile (with VBMI at AVX-512, through F16C at
 // AVX2; Workspace::fp8_images), instead of converting the codes as each block of rows reads them.
 //
@@ -819,6 +819,12 @@ class CpuPagedAttention {
   using ImageReader = CacheReader<ImageT, CacheFormat::kNative>;
   static constexpr ImageReader kImageReader{};
   static constexpr int kImageStep = PAGEDSPEC_CPU_LEVEL == 2 ? 32 : kLanes;
+  // Row blocks that convert FP8 codes in registers faster than images would: one block (decode
+  // at group 4) converts each code once either way; two at AVX2, where an 8-row task (5 + 3)
+  // ran 12.8 ms through images against 12.0 and a 12-row one 16.1 against 17.9 (e4m3, B=8
+  // ctx=2048, Zen 4 held to avx2), while at AVX-512 8 rows (4 + 4) gained, 9.0-9.3 against
+  // 9.9-10.0 ms.
+  static constexpr int kImageMinBlocks = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 1;
   // Positions per tile, and so how far ahead the next tile's cache tokens are prefetched: on an
   // AVX2-only Zen 2 every prefetch fills L1, and the next 32 tokens of 8 heads (128 KB in bf16)
   // streamed through it evicted one another and the rows in use before they were read. 16 made
@@ -901,12 +907,11 @@ class CpuPagedAttention {
     ws.amx = use_amx(R);
     set_dot(ws, bf16_dot_ && !ws.amx, R);
   }
-  // ... and whether R rows on the FMA path read FP8 tiles as images: where more than one block
-  // of rows would convert each code (one block, as in decode at group 4, converts it once
-  // either way).
+  // ... and whether R rows on the FMA path read FP8 tiles as images: where more blocks of rows
+  // than kImageMinBlocks would convert each code.
   void set_dot(Workspace& ws, bool dot, int R) const {
     ws.dot = dot;
-    ws.fp8_images = fp8_images_ && !dot && R > kRowBlock;
+    ws.fp8_images = fp8_images_ && !dot && R > kImageMinBlocks * kRowBlock;
     // FP8 codes converted as they are read where D allows (score_block_fp8_dot), else images.
     // Converting them once per block of 4 rows, not once per tile, is no slower for the 20 rows
     // of a 5-token draft at group 4 (A/B: 14.4 against 14.5 ms at B=8 ctx=2048, 1 thread).

@@ -38,7 +38,7 @@ bool cpu_bf16_dot(bool fp8_cache);
 bool cpu_avx512_vbmi();
 // Whether the FMA path at `level` (attention with float32 or fp16 queries, or bf16 ones off the
 // dot and AMX paths) reads an FP8 tile as images of its codes converted once per tile, for
-// tasks of more than one block of rows, rather than converting codes in registers for each
+// tasks of several blocks of rows, rather than converting codes in registers for each
 // block: at avx2 (bf16 images through F16C), and at avx512 where the CPU has VBMI (by byte
 // lookups; Ice Lake and later, Zen 4); never at baseline. PAGEDSPEC_CPU_FP8_IMAGES=0 turns it
 // off (as an AVX-512 CPU without VBMI runs, Skylake-SP, Cascade Lake). Read at every call.
