@@ -819,11 +819,10 @@ class CpuPagedAttention {
   using ImageReader = CacheReader<ImageT, CacheFormat::kNative>;
   static constexpr ImageReader kImageReader{};
   static constexpr int kImageStep = PAGEDSPEC_CPU_LEVEL == 2 ? 32 : kLanes;
-  // Row blocks that convert FP8 codes in registers faster than images would: one block (decode
-  // at group 4) converts each code once either way; two at AVX2, where an 8-row task (5 + 3)
-  // ran 12.8 ms through images against 12.0 and a 12-row one 16.1 against 17.9 (e4m3, B=8
-  // ctx=2048, Zen 4 held to avx2), while at AVX-512 8 rows (4 + 4) gained, 9.0-9.3 against
-  // 9.9-10.0 ms.
+  // The most row blocks a task converts FP8 codes for in registers; beyond, images. One block
+  // (decode at group 4) converts each code once either way. AVX2 keeps two: an 8-row task
+  // (5 + 3) ran 12.8 ms through images against 12.0, a 12-row one 16.1 against 17.9 (e4m3, B=8
+  // ctx=2048, Zen 4 held to avx2); at AVX-512 8 rows (4 + 4) gained, 9.0-9.3 against 9.9-10.0.
   static constexpr int kImageMinBlocks = PAGEDSPEC_CPU_LEVEL == 1 ? 2 : 1;
   // Positions per tile, and so how far ahead the next tile's cache tokens are prefetched: on an
   // AVX2-only Zen 2 every prefetch fills L1, and the next 32 tokens of 8 heads (128 KB in bf16)
