@@ -981,11 +981,12 @@ class CpuPagedAttention {
     return images;
   }
 
-  // Rows [first, first + n) of `rows` (keys or values) as the bf16 rows the tile multiplies and
-  // the dot path read: a bf16 cache's in place; an FP8 cache's converted into the thread's
-  // TileImages as the bf16 bits of their images (the values CacheReader reads, so the scale
-  // folds in as on the FMA path; see fp8_images_as_bf16), valid until the next call for the
-  // same operand.
+  // Rows [first, first + n) of `rows` (keys or values) as the bf16 rows the tile multiplies, the
+  // dot path and the FMA path's FP8 images (fp8_image_rows) read: a bf16 cache's in place; an FP8
+  // cache's converted into the thread's TileImages as the bf16 bits of their images (the values
+  // CacheReader reads, so the scale folds in as on the FMA path): at AVX-512 by VBMI lookups
+  // (fp8_images_as_bf16), at AVX2 as CacheReader::load16's floats cut to their high halves,
+  // exactly. Valid until the next call for the same operand.
   const uint16_t* const* bf16_rows(const CacheT* const* rows, int first, int n,
                                    const Reader& reader, Operand which) const {
     if constexpr (F == CacheFormat::kNative) {
@@ -994,12 +995,26 @@ class CpuPagedAttention {
       TileImages& images = tile_images(p_.head_size);
       const bool keys = which == Operand::kKeys;
       const uint16_t** out = keys ? images.k_rows : images.v_rows;
+      uint16_t* buf = (keys ? images.k : images.v).data() + size_t(first) * p_.head_size;
 #if PAGEDSPEC_CPU_LEVEL == 2
-      uint16_t* buf = (keys ? images.k : images.v).data();
       fp8_images_as_bf16(reinterpret_cast<const uint8_t* const*>(rows) + first, n, p_.head_size,
-                         fp8_bytes(reader), buf + size_t(first) * p_.head_size, out + first);
+                         fp8_bytes(reader), buf, out + first);
+#elif PAGEDSPEC_CPU_LEVEL == 1
+      const int D = p_.head_size;
+      for (int t = 0; t < n; ++t) {
+        uint16_t* row = buf + size_t(t) * D;
+        for (int d = 0; d < D; d += kLanes) {
+          const vfloat x = reader.load16(rows[first + t] + d);
+          const __m256i lo = _mm256_srli_epi32(_mm256_castps_si256(x.lo), 16);
+          const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(x.hi), 16);
+          // packus interleaves the 128-bit lanes (lo 0-3, hi 0-3, lo 4-7, hi 4-7); 0xD8 undoes it.
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + d),
+                              _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8));
+        }
+        out[first + t] = row;
+      }
 #else
-      (void)rows, (void)n, (void)reader;
+      (void)rows, (void)n, (void)reader, (void)buf;
 #endif
       return out + first;
     }
@@ -1024,39 +1039,12 @@ class CpuPagedAttention {
   }
 #endif
 
-  // Rows [0, n) of an FP8 tile's K or V rows as the bf16 images the FMA path reads, as it reads
-  // a bf16 cache (in even/odd order; Workspace::fp8_images): at AVX-512 those of bf16_rows (VBMI),
-  // at AVX2 the floats of CacheReader::load16 (the conversion the codes took in registers) cut to
-  // their high halves, exactly. bf16 rather than float32 images: at AVX2 a bf16 cache's q=5 ran
-  // 21 ms through its own rows and 25 ms through float32 images of them. Valid until the next
-  // call for the operand.
+  // Rows [0, n) of an FP8 tile's K or V rows as the bf16 images the FMA path reads as it reads a
+  // bf16 cache (in even/odd order; Workspace::fp8_images). bf16 rather than float32 images: at
+  // AVX2 a bf16 cache's q=5 ran 21 ms through its own rows and 25 ms through float32 copies.
   const ImageT* const* fp8_image_rows(const CacheT* const* rows, int n, const Reader& reader,
                                       Operand which) const {
-#if PAGEDSPEC_CPU_LEVEL == 2
     return reinterpret_cast<const ImageT* const*>(bf16_rows(rows, 0, n, reader, which));
-#elif PAGEDSPEC_CPU_LEVEL == 1
-    const int D = p_.head_size;
-    TileImages& images = tile_images(D);
-    const bool keys = which == Operand::kKeys;
-    uint16_t* buf = (keys ? images.k : images.v).data();
-    const uint16_t** out = keys ? images.k_rows : images.v_rows;
-    for (int t = 0; t < n; ++t) {
-      uint16_t* row = buf + size_t(t) * D;
-      for (int d = 0; d < D; d += kLanes) {
-        const vfloat x = reader.load16(rows[t] + d);
-        const __m256i lo = _mm256_srli_epi32(_mm256_castps_si256(x.lo), 16);
-        const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(x.hi), 16);
-        // packus interleaves the 128-bit lanes (lo 0-3, hi 0-3, lo 4-7, hi 4-7); 0xD8 undoes it.
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + d),
-                            _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8));
-      }
-      out[t] = row;
-    }
-    return reinterpret_cast<const ImageT* const*>(out);
-#else
-    (void)rows, (void)n, (void)reader, (void)which;
-    return nullptr;
-#endif
   }
 
   // Sets pf to the cache lines of positions [first, first + n) of sequence seq, for KV heads
@@ -1200,12 +1188,12 @@ class CpuPagedAttention {
   void score_tile(const Task& task, Workspace& ws, TilePrefetch& pf) const {
     const int D = p_.head_size;
     const int R = task.num_rows;
-    // The dot path's scale and K rows as bf16 (those any row sees); the FMA path's FP8 images.
+    // The dot path's scale and K rows as bf16 (those any row sees), or the FMA path's FP8 images.
     [[maybe_unused]] const float dot_scale = score_scale(task.kv_head);
-    [[maybe_unused]] const uint16_t* const* krows_bf16 = nullptr;
+    [[maybe_unused]] const uint16_t* const* dot_krows = nullptr;
     if constexpr (kDotCapable) {
       if (ws.dot && !ws.dot_fp8) {
-        krows_bf16 = bf16_rows(ws.krows, 0, ws.visible[R - 1], ws.kreader, Operand::kKeys);
+        dot_krows = bf16_rows(ws.krows, 0, ws.visible[R - 1], ws.kreader, Operand::kKeys);
       }
     }
     const ImageT* const* k_images =
@@ -1215,11 +1203,11 @@ class CpuPagedAttention {
     const std::optional<Fp8ImageLookup> lookup = fp8_lookup(ws, ws.kreader);
     if constexpr (kDotCapable) {
       if (uses_score_lanes(ws, R)) {
-        score_tile_lanes(task, ws, krows_bf16, pf);
+        score_tile_lanes(task, ws, dot_krows, pf);
         return;
       }
       if (ws.dot && scores_packed(R, ws.dot_fp8)) {
-        score_tile_packed(task, ws, krows_bf16, lookup ? &*lookup : nullptr, pf);
+        score_tile_packed(task, ws, dot_krows, lookup ? &*lookup : nullptr, pf);
         return;
       }
     }
