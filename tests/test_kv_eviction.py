@@ -4,6 +4,7 @@ blocks never leak, a budget that is never reached changes nothing, H2O keeps exa
 an independent dense reference keeps, and bad budgets are refused at admission."""
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -34,27 +35,43 @@ def make_llm(models, **kwargs):
                block_size=BS, **kwargs)
 
 
-def watch_budgets(llm, log):
-    """Wraps the LLM's eviction step: after it, every running sequence with a policy holds at
-    most its budget, and its sinks and recent window are all still in its table."""
-    evict = llm._evict
+def generate_stepwise(llm, prompts, params, after_step):
+    """``llm.generate`` through the engine's public API, calling ``after_step()`` after every
+    step (eviction is the step's last act, so it sees every eviction's result); outputs in
+    prompt order."""
+    engine = llm.engine
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [f"req-{next(REQUEST_IDS)}" for _ in prompts]
+    for request_id, prompt, p in zip(ids, prompts, params):
+        engine.add_request(request_id, prompt, p)
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+        after_step()
+    return [finals[i] for i in ids]
 
-    def checked(seqs):
-        evict(seqs)
-        bm = llm.block_manager
-        for seq in seqs:
-            policy = llm.kv_budgets.policies.get(seq.seq_id)
-            if policy is None or seq.seq_id not in bm.tables or bm.tables[seq.seq_id].on_cpu:
-                continue
-            table = bm.tables[seq.seq_id]
-            length = table.num_tokens + table.num_evicted
-            sinks = range(min(-(-policy.sink_tokens // BS), -(-length // BS)))
-            recent = range(max(0, length - policy.window(BS)) // BS, -(-length // BS))
-            assert set(sinks) | set(recent) <= set(table.logical), (seq.seq_id, table.logical)
-            if llm.speculation is None:
-                assert table.num_tokens <= policy.budget, (table.num_tokens, policy.budget)
-            log.append(table.num_evicted)
-    llm._evict = checked
+
+REQUEST_IDS = itertools.count()
+
+
+def check_budgets(llm, log):
+    """After a step: every running sequence with a policy holds at most its budget, and its
+    sinks and recent window are all still in its table."""
+    bm = llm.block_manager
+    for seq in llm.scheduler.running:
+        policy = llm.kv_budgets.policies.get(seq.seq_id)
+        if policy is None or seq.seq_id not in bm.tables or bm.tables[seq.seq_id].on_cpu:
+            continue
+        table = bm.tables[seq.seq_id]
+        length = table.num_tokens + table.num_evicted
+        sinks = range(min(-(-policy.sink_tokens // BS), -(-length // BS)))
+        recent = range(max(0, length - policy.window(BS)) // BS, -(-length // BS))
+        assert set(sinks) | set(recent) <= set(table.logical), (seq.seq_id, table.logical)
+        if llm.speculator is None:
+            assert table.num_tokens <= policy.budget, (table.num_tokens, policy.budget)
+        log.append(table.num_evicted)
 
 
 @pytest.mark.parametrize("mode", ["streaming", "h2o", "random"])
@@ -67,7 +84,6 @@ def test_random_steps_keep_budgets_and_leak_no_block(models, mode, speculative):
                    num_kv_blocks=24, swap_space=0.002, max_num_seqs=5,
                    max_num_batched_tokens=96, **spec)
     log = []
-    watch_budgets(llm, log)
     while llm.runner.num_steps < (500 if speculative else 1500):
         n = rng.randint(1, 6)
         prompts = [[rng.randrange(3, 120) for _ in range(rng.randint(1, 90))] for _ in range(n)]
@@ -76,7 +92,7 @@ def test_random_steps_keep_budgets_and_leak_no_block(models, mode, speculative):
                                  ignore_eos=True,
                                  kv_budget=rng.choice([None, 32, 64]))
                   for _ in prompts]
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = generate_stepwise(llm, prompts, params, lambda: check_budgets(llm, log))
         assert all(len(c.token_ids) == p.max_tokens for o, p in zip(outs, params)
                    for c in o.outputs)
         llm.block_manager.check_invariants()
@@ -101,11 +117,8 @@ def test_unreached_budget_changes_nothing(models):
 def test_streaming_keeps_sinks_and_the_window(models):
     llm = make_llm(models, kv_eviction="streaming", kv_budget=40, kv_sink_tokens=8)
     seen = []
-    evict = llm._evict
-    llm._evict = lambda seqs: (evict(seqs), seen.append(
-        [list(llm.block_manager.tables[s.seq_id].logical) for s in seqs
-         if s.seq_id in llm.block_manager.tables]))
-    llm.generate([[4] * 30], SamplingParams(max_tokens=60, **GREEDY), use_tqdm=False)
+    generate_stepwise(llm, [[4] * 30], SamplingParams(max_tokens=60, **GREEDY), lambda: seen.append(
+        [list(llm.block_manager.tables[s.seq_id].logical) for s in llm.scheduler.running]))
     # 90 tokens at the end, 40 kept: the sink block (0) and the newest blocks.
     last = [t for t in seen if t][-1][0]
     assert last[0] == 0 and last[1:] == list(range(last[1], last[1] + len(last) - 1))
@@ -124,16 +137,13 @@ def test_h2o_keeps_what_dense_attention_says(models, budget, recent):
     llm = make_llm(models, kv_eviction="h2o", kv_budget=budget, kv_sink_tokens=4,
                    kv_recent_tokens=recent)
     engine_kept = []
-    evict = llm._evict
 
-    def record(seqs):
-        evict(seqs)
-        tables = llm.block_manager.tables
-        if seqs[0].seq_id in tables:       # the last step finishes the request first
-            engine_kept.append(list(tables[seqs[0].seq_id].logical))
-    llm._evict = record
-    out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, **GREEDY),
-                       use_tqdm=False)[0].outputs[0].token_ids
+    def record():
+        running = llm.scheduler.running    # the last step finishes the request first
+        if running:
+            engine_kept.append(list(llm.block_manager.tables[running[0].seq_id].logical))
+    out = generate_stepwise(llm, [prompt], SamplingParams(max_tokens=max_tokens, **GREEDY),
+                            record)[0].outputs[0].token_ids
     policy = KVEvictionPolicy("h2o", budget, 4, recent)
     ref_tokens, ref_kept = dense_h2o(llm.model, prompt, max_tokens, policy)
     assert out == ref_tokens

@@ -248,7 +248,7 @@ def test_sampled_speculation_keeps_the_target_distribution(small_vocab, monkeypa
                 max_model_len=32, seed=3)
     assert chi_square_p(three_token_counts(plain, prompt, temperature, n), exact) > 1e-4
 
-    import pagedspec.llm as llm_module
+    import pagedspec.engine.core as llm_module
     original = llm_module.verify_drafts
 
     def without_temperature(items):
@@ -283,16 +283,15 @@ def test_after_rollback_both_caches_hold_the_live_tokens(models):
     llm = make_llm(models, "aligned", num_speculative_tokens=5, speculative_adaptive=False,
                    num_kv_blocks=64, block_size=8)
     for cache in (llm.kv_cache.key_caches + llm.kv_cache.value_caches
-                  + llm.speculation.draft.kv_cache.key_caches
-                  + llm.speculation.draft.kv_cache.value_caches):
+                  + llm.speculator.draft_model.kv_cache.key_caches
+                  + llm.speculator.draft_model.kv_cache.value_caches):
         cache.fill_(float("nan"))
-    requests = llm._make_requests(PROMPTS, SamplingParams(temperature=0.9, max_tokens=60,
-                                                          ignore_eos=True, seed=2))
-    for r in requests:
-        llm._submit(r)
+    for i, prompt in enumerate(PROMPTS):
+        llm.engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0.9, max_tokens=60,
+                                                               ignore_eos=True, seed=2))
     for _ in range(12):
-        llm._step()
-    draft = llm.speculation.draft
+        llm.engine.step()
+    draft = llm.speculator.draft_model
     assert llm.speculative_metrics()["num_accepted_tokens"] < \
         llm.speculative_metrics()["num_draft_tokens"], "nothing was ever rolled back"
     for seq in llm.scheduler.running:
@@ -313,7 +312,7 @@ def test_thousands_of_random_steps_leak_no_block(models):
     rng = random.Random(1)
     llm = make_llm(models, "aligned", num_speculative_tokens=4, num_kv_blocks=24, block_size=8,
                    swap_space=0.005, max_num_seqs=6, max_num_batched_tokens=64)
-    while llm.speculation.stats.num_steps < 1500:
+    while llm.speculator.stats.num_steps < 1500:
         n = rng.randint(1, 8)
         prompts = [[rng.randrange(1, 320) for _ in range(rng.randint(1, 40))] for _ in range(n)]
         params = [SamplingParams(temperature=rng.choice([0, 0.7, 1.0]),
@@ -323,7 +322,7 @@ def test_thousands_of_random_steps_leak_no_block(models):
         llm.generate(prompts, params, use_tqdm=False)
         llm.block_manager.check_invariants()
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
-        assert not llm._by_seq and not llm.speculation.draft._computed
+        assert not llm.engine.has_unfinished() and not llm.speculator.draft_model._computed
     assert llm.scheduler.num_preemptions > 0
 
 
@@ -359,11 +358,11 @@ def test_controller_turns_a_misaligned_draft_off_and_keeps_an_aligned_one(models
     params = SamplingParams(max_tokens=64, **GREEDY)
     bad = make_llm(models, "misaligned", num_speculative_tokens=4)
     bad.generate(PROMPTS[:2], params)
-    history = bad.speculation.controller.history
+    history = bad.speculator.controller.history
     assert all(k == 0 for i, k in enumerate(history[8:], 9) if i % 8), history
     good = make_llm(models, "ngram", num_speculative_tokens=4)
     good.generate(PROMPTS[:2], params)
-    history = good.speculation.controller.history
+    history = good.speculator.controller.history
     assert np.mean([k > 0 for k in history[8:]]) > 0.5, history
 
 

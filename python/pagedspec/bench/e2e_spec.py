@@ -170,8 +170,8 @@ def run(device: torch.device, target: Path, draft: Path, *, quick: bool = False)
                 # Warm up on the workload itself (half length): the timed runs then show the
                 # controller's steady state, as in a long-running server, not its first steps.
                 _generate(llm, work, max_tokens // 2, device)
-                llm.speculation.stats = SpecStats()                  # count the timed runs only
-                first_step = len(llm.speculation.controller.history)
+                llm.speculator.stats = SpecStats()                  # count the timed runs only
+                first_step = len(llm.speculator.controller.history)
                 # Alternate plain and speculative runs; the medians' ratio is the speedup.
                 plain_times, spec_times = [], []
                 for _ in range(REPEATS):
@@ -185,7 +185,7 @@ def run(device: torch.device, target: Path, draft: Path, *, quick: bool = False)
                        "plain_seconds": t_plain, "speedup": t_plain / seconds,
                        "acceptance_rate": m["acceptance_rate"],
                        "mean_acceptance_length": m["mean_acceptance_length"],
-                       "mean_k": _mean(llm.speculation.controller.history[first_step:]),
+                       "mean_k": _mean(llm.speculator.controller.history[first_step:]),
                        "agree": sum(a == b for a, b in zip(tokens, plain_tokens)) / batch,
                        "draft_s_per_step": m["draft_seconds_per_step"],
                        "target_s_per_step": m["target_seconds_per_step"]}
@@ -295,7 +295,7 @@ def resolve_pair(model: Optional[str], draft: Optional[str]) -> Optional[tuple[P
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from pagedspec.bench.runner import default_out_dir, resolve_device
+    from pagedspec.bench.machine import default_out_dir, resolve_device
 
     parser = argparse.ArgumentParser(prog="pagedspec-bench-e2e-spec",
                                      description=__doc__.splitlines()[0])

@@ -1,0 +1,157 @@
+"""Speculation as one pluggable part of the engine step: :class:`Speculator` holds a drafter
+(n-gram prompt lookup or a draft model), the controller that picks each step's k, and the
+speculative metrics. The core calls it at four points of a step: :meth:`plan` (before
+scheduling), :meth:`draft` (after scheduling, before the target runs), :meth:`record` (per
+verified sequence) and :meth:`observe_step` (after the step). Without speculation the core holds
+no Speculator and none of this runs."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence as Seq
+
+import torch
+
+from pagedspec.engine.controller import SpecStats, SpeculationController
+from pagedspec.engine.metrics import SpecDecodingStats
+from pagedspec.engine.sampler import SamplingRow
+from pagedspec.engine.scheduler import StepBatch
+from pagedspec.engine.sequence import Sequence
+from pagedspec.engine.speculative import DraftModelProposer, DraftRequest, NgramProposer
+
+# seq id -> (its sampling row, its generator, tokens evicted from its block table)
+SeqLookup = Callable[[int], tuple[SamplingRow, torch.Generator, int]]
+
+
+@dataclass(eq=False)
+class Speculator:
+    controller: SpeculationController
+    ngram: Optional[NgramProposer] = None
+    draft_model: Optional[DraftModelProposer] = None
+    stats: SpecStats = field(default_factory=SpecStats)          # over the engine's life
+    step_stats: SpecDecodingStats = field(default_factory=SpecDecodingStats)  # the last step's
+    _draft_seconds: float = 0.0           # the draft model's time in the current step
+
+    def forget(self, seq_id: int) -> None:
+        for part in (self.ngram, self.draft_model, self.controller):
+            if part is not None:
+                part.forget(seq_id)
+
+    def computed_tokens(self, seq_id: int) -> Optional[int]:
+        """Tokens of the sequence the draft model's cache holds (None without a draft model):
+        KV eviction may drop only blocks both caches have computed."""
+        return self.draft_model.computed_tokens(seq_id) if self.draft_model else None
+
+    def plan(self, running: Seq[Sequence], max_num_batched_tokens: int) -> None:
+        """Before scheduling: the step's k from the controller, and each decoding sequence's
+        drafts (n-gram proposals, or placeholders the draft model fills in after scheduling,
+        once the scheduler has given the draft positions their slots)."""
+        self.step_stats = SpecDecodingStats()
+        self._draft_seconds = 0.0
+        decoding = [s for s in running if s.is_decoding]
+        room = [s.num_prompt_tokens + s.max_tokens - len(s.token_ids) - 1 for s in decoding]
+        prefill = sum(len(s.token_ids) - s.num_computed_tokens for s in running
+                      if not s.is_decoding)
+        other = min(prefill, max_num_batched_tokens - len(decoding))
+        k = self.controller.choose([s.seq_id for s in decoding], room, max(other, 0))
+        if self.ngram is not None:        # index new tokens outside the timed proposal
+            for seq in decoding:
+                self.ngram.update(seq.seq_id, seq.token_ids)
+        limit = self.controller.draft_limit
+        if k and limit is not None and limit < len(decoding):
+            first = self.controller.steps * limit % len(decoding)     # rotate who learns
+            chosen = set(range(first, first + limit)) | set(range(first + limit - len(decoding)))
+            room = [r if i in chosen else 0 for i, r in enumerate(room)]
+        if not k:
+            return
+        start = time.perf_counter()
+        for seq, r in zip(decoding, room):
+            kr = min(k, r)
+            if kr > 0:
+                seq.draft_token_ids = (self.ngram.propose(seq.seq_id, seq.token_ids, kr)
+                                       if self.ngram is not None else [0] * kr)
+        if self.ngram is not None:              # the model drafter is timed when it runs
+            seconds = time.perf_counter() - start
+            self.controller.observe_draft(len(decoding), seconds)
+            self.stats.draft_seconds += seconds
+
+    def draft(self, batch: StepBatch, lookup: SeqLookup, synchronize: Callable[[float], float]
+              ) -> list[Optional[torch.Tensor]]:
+        """After scheduling: keeps the draft cache in step with the batch's block moves, runs
+        the draft model for the drafting sequences and writes its tokens into the batch; returns
+        each sequence's draft distributions (None where none: greedy, n-gram or not drafting)."""
+        draft_probs: list[Optional[torch.Tensor]] = [None] * len(batch.seqs)
+        model = self.draft_model
+        if model is None:
+            return draft_probs
+        model.apply_moves(batch.block_ops)        # both caches make the same block moves
+        requests = []
+        for i, seq in enumerate(batch.seqs):
+            k = batch.num_draft_tokens[i]
+            if k:
+                row, generator, num_evicted = lookup(seq.seq_id)
+                requests.append(DraftRequest(i, seq.seq_id, seq.token_ids,
+                                             seq.num_computed_tokens, k, row, generator,
+                                             num_evicted))
+        if not requests:
+            return draft_probs
+        start = time.perf_counter()
+        drafts, probs = model.propose(batch, requests)
+        cu = batch.cu_seqlens_q.tolist()
+        ids = batch.input_ids
+        for r, tokens, p in zip(requests, drafts, probs):
+            first = cu[r.batch_index] + 1          # the drafts follow the last verified token
+            ids[first:first + r.k] = torch.tensor(tokens, dtype=ids.dtype, device=ids.device)
+            batch.seqs[r.batch_index].draft_token_ids = tokens
+            draft_probs[r.batch_index] = p
+        total = synchronize(start)
+        self.stats.draft_seconds += total
+        self._draft_seconds = total
+        # The controller learns the cost of a drafting pass (one token per sequence), with the
+        # Python bookkeeping around the passes spread over them; the first pass also catches
+        # the draft cache up, which costs more the first time (the prompt): it is left out then.
+        passes = model.pass_times
+        extra = (total - sum(t for _, _, t in passes)) / len(passes)
+        for num_seqs, num_tokens, seconds in passes:
+            if num_tokens <= 2 * num_seqs:
+                self.controller.observe_draft(num_seqs, seconds + extra)
+        return draft_probs
+
+    def record(self, seq: Sequence, k: int, accepted: int) -> None:
+        """One sequence verified ``k`` drafts and accepted the first ``accepted``."""
+        for st in (self.stats, self.step_stats):
+            st.num_drafts += 1
+            st.num_draft_tokens += k
+            st.num_accepted_tokens += accepted
+        st = self.stats
+        while len(st.drafted_per_position) < k:
+            st.drafted_per_position.append(0)
+            st.accepted_per_position.append(0)
+        per_pos = self.step_stats.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (k - len(per_pos)))
+        for j in range(k):
+            st.drafted_per_position[j] += 1
+            st.accepted_per_position[j] += j < accepted
+            per_pos[j] += j < accepted
+        self.controller.observe_acceptance(seq.seq_id, k, accepted)
+        if self.draft_model is not None:
+            self.draft_model.on_verified(seq.seq_id, len(seq.token_ids), k, accepted)
+
+    def observe_target(self, seconds: float) -> None:
+        self.stats.target_seconds += seconds
+        self.stats.num_steps += 1
+
+    def observe_step(self, batch: StepBatch, num_verified: int, num_new_tokens: int,
+                     elapsed: float) -> None:
+        """After the step: what the controller weighs is the whole step but the drafting
+        (scheduling, verification, sampling and bookkeeping included), by tokens in the step."""
+        self.controller.observe_target(batch.num_tokens, elapsed - self._draft_seconds)
+        decode_only = batch.seqs and all(
+            batch.num_scheduled_tokens[i] == 1 + batch.num_draft_tokens[i]
+            for i in range(len(batch.seqs)))
+        # All drafted, or none; a draft model's catch-up after a pause is a one-off cost.
+        catch_up = self.draft_model is not None and num_verified and any(
+            tokens > 2 * seqs for seqs, tokens, _ in self.draft_model.pass_times)
+        if decode_only and num_verified in (0, len(batch.seqs)) and not catch_up:
+            self.controller.observe_goodput(len(batch.seqs), bool(num_verified),
+                                            num_new_tokens, elapsed)
