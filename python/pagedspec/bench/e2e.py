@@ -51,7 +51,7 @@ from typing import Iterator, Optional
 import torch
 
 from pagedspec.bench import core
-from pagedspec.bench.runner import default_out_dir, device_info, resolve_device
+from pagedspec.bench.machine import default_out_dir, device_info, resolve_device
 
 OP = "e2e"                    # the runner's --op name for this section
 DEMO_MODEL = "pagedspec-demo"
