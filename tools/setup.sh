@@ -14,7 +14,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q "$TORCH_SPEC" numpy scipy pytest pytest-xdist hypothesis \
-  expecttest "cmake>=3.26" ninja tqdm matplotlib nvidia-ml-py safetensors tokenizers transformers 2>&1 | grep -v "^WARNING: Location" || true
+  expecttest "cmake>=3.26" ninja tqdm matplotlib nvidia-ml-py safetensors tokenizers transformers gguf \
+  fastapi uvicorn prometheus_client jinja2 openai httpx aiohttp 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import torch, cmake, ninja" # fail here, clearly, if the install did not work
 
 # torch guesses the toolkit from `nvcc` on PATH, which may be a wrapper script: name it instead.
