@@ -34,7 +34,7 @@ def test_generate_with_speculation_prints_the_metrics(tmp_path, capsys):
     path = make_checkpoint(tmp_path / "m", "llama")
     assert main(["generate", "--model", str(path), "--prompt", "def f(x):", "--max-tokens", "16",
                  "--ignore-eos", "--device", "cpu", "--speculative-model", "ngram",
-                 "--fixed-k"]) == 0
+                 "--no-speculative-adaptive"]) == 0
     err = capsys.readouterr().err
     assert "speculative:" in err and "acceptance rate" in err and "mean acceptance length" in err
 

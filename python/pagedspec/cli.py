@@ -1,9 +1,13 @@
 """The ``pagedspec`` command line.
 
-    pagedspec generate --model DIR --prompt TEXT [--max-tokens N] [--temperature T] ...
+    pagedspec generate --model M --prompt TEXT [--max-tokens N] [--temperature T] ...
+    pagedspec serve --model M [--speculative-model D] [--host 127.0.0.1] [--port 8000] ...
+    pagedspec convert IN.gguf OUT_DIR
     pagedspec bench [runner arguments]          (the benchmark runner, ``python -m pagedspec.bench``)
+    pagedspec bench serve [load arguments]      (the serving load benchmark)
 
-``generate`` prints each completion, then its token count and tokens/s on stderr.
+``generate`` prints each completion, then its token count and tokens/s on stderr. The engine's
+flags of ``generate`` and ``serve`` come from :class:`pagedspec.EngineConfig`'s fields.
 """
 from __future__ import annotations
 
@@ -12,9 +16,15 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from pagedspec.engine.config import EngineConfig
+
 COMMANDS = {
-    "generate": "complete prompts with a local Hugging Face checkpoint",
-    "bench": "run the benchmark runner (kernels, end to end); --help for its options",
+    "generate": "complete prompts with a local checkpoint (directory, .gguf or short name)",
+    "serve": "an OpenAI-compatible HTTP server (needs the serve extra: pip install "
+             "'pagedspec[serve]')",
+    "convert": "write a .gguf checkpoint as a Hugging Face directory",
+    "bench": "run the benchmark runner (kernels, end to end; `bench serve`: the serving load "
+             "benchmark); --help for its options",
 }
 DEFAULT_MODEL = "pagedspec-demo"
 
@@ -28,29 +38,21 @@ def usage() -> str:
 
 def _generate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedspec generate", description=COMMANDS["generate"])
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"checkpoint directory or shipped model name (default {DEFAULT_MODEL})")
     p.add_argument("--prompt", action="append", required=True,
                    help="prompt text; repeat for a batch")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--n", type=int, default=1, help="completions per prompt")
-    p.add_argument("--stop", action="append", default=None, help="stop string; repeatable")
-    p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda if usable)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--speculative-model", default=None,
-                   help="draft checkpoint (or shipped name, e.g. pagedspec-demo-draft), or ngram")
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--fixed-k", action="store_true",
-                   help="draft num-speculative-tokens every step (no adaptive controller)")
+    sampling = p.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=int, default=64)
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    sampling.add_argument("--top-k", type=int, default=-1)
+    sampling.add_argument("--top-p", type=float, default=1.0)
+    sampling.add_argument("--min-p", type=float, default=0.0)
+    sampling.add_argument("--sampling-seed", type=int, default=None,
+                          help="the requests' seed (--seed seeds the engine)")
+    sampling.add_argument("--n", type=int, default=1, help="completions per prompt")
+    sampling.add_argument("--stop", action="append", default=None,
+                          help="stop string; repeatable")
+    sampling.add_argument("--ignore-eos", action="store_true")
+    EngineConfig.add_cli_args(p, model_default=DEFAULT_MODEL)
     return p
 
 
@@ -60,15 +62,13 @@ def generate(argv: Sequence[str]) -> int:
     from pagedspec.models import CheckpointError
 
     try:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device,
-                  kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
-                  max_model_len=args.max_model_len, max_num_seqs=max(8, len(args.prompt)),
-                  speculative_model=args.speculative_model,
-                  num_speculative_tokens=args.num_speculative_tokens,
-                  speculative_adaptive=not args.fixed_k)
+        config = EngineConfig.from_cli_args(args)
+        kwargs = {k: v for k, v in vars(config).items() if k != "model"}
+        llm = LLM(config.model, **kwargs)
         params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
-                                n=args.n, stop=args.stop, ignore_eos=args.ignore_eos)
+                                min_p=args.min_p, max_tokens=args.max_tokens,
+                                seed=args.sampling_seed, n=args.n, stop=args.stop,
+                                ignore_eos=args.ignore_eos)
         start = time.perf_counter()
         outputs = llm.generate(args.prompt, params, use_tqdm=False)
     except (CheckpointError, ValueError) as exc:
@@ -96,9 +96,29 @@ def generate(argv: Sequence[str]) -> int:
 
 
 def bench(argv: Sequence[str]) -> int:
+    if argv and argv[0] == "serve":
+        from pagedspec.bench import serve
+
+        return serve.main(list(argv[1:])) or 0
     from pagedspec.bench import runner
 
     return runner.main(list(argv)) or 0
+
+
+def serve(argv: Sequence[str]) -> int:
+    try:
+        from pagedspec.serve.app import main as serve_main
+    except ImportError as exc:
+        print(f"pagedspec serve: {exc}; install the server's dependencies with "
+              "pip install 'pagedspec[serve]'", file=sys.stderr)
+        return 2
+    return serve_main(list(argv)) or 0
+
+
+def convert(argv: Sequence[str]) -> int:
+    from pagedspec.models.gguf import main_convert
+
+    return main_convert(list(argv)) or 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -111,6 +131,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return generate(rest)
     if command == "bench":
         return bench(rest)
+    if command == "serve":
+        return serve(rest)
+    if command == "convert":
+        return convert(rest)
     print(f"pagedspec: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
     return 2
 
