@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from pagedspec._build_info import build_info
 from pagedspec.engine.block_manager import BlockManager
 from pagedspec.engine.config import EngineConfig
 from pagedspec.engine.controller import SpeculationController
@@ -478,8 +479,7 @@ class EngineCore:
 
 
 def _device(device) -> torch.device:
-    import pagedspec
-    info = pagedspec.build_info()
+    info = build_info()
     if device is None:
         return torch.device("cuda" if info["cuda_available"] else "cpu")
     try:
