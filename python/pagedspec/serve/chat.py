@@ -66,33 +66,35 @@ def compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def find_chat_template(checkpoint) -> Optional[str]:
-    """The checkpoint's chat template source, or None if it has none.
-
-    ``checkpoint.chat_template`` when the loader sets it (GGUF files carry theirs; directories
-    read ``chat_template.jinja`` or ``tokenizer_config.json``); for a loader without that
-    attribute, the directory's ``chat_template.jinja`` (what ``transformers`` 5 writes), else the
-    ``chat_template`` string of its ``tokenizer_config.json``."""
-    if hasattr(checkpoint, "chat_template"):
-        return checkpoint.chat_template
-    path = Path(getattr(checkpoint, "path", ""))
-    if not path.is_dir():
-        return None
-    jinja_file = path / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text()
-    config_file = path / "tokenizer_config.json"
-    if config_file.is_file():
+def special_tokens(checkpoint, tokenizer) -> tuple[Optional[str], Optional[str]]:
+    """``(bos_token, eos_token)`` strings as ``transformers`` passes them to a template: those
+    of the directory's ``tokenizer_config.json`` (a string or ``{"content": ...}``), else the
+    text of the checkpoint's bos / first eos token id (GGUF files)."""
+    names: dict = {}
+    path = Path(str(getattr(checkpoint, "path", "")))
+    config_file = path / "tokenizer_config.json" if path.is_dir() else None
+    if config_file is not None and config_file.is_file():
         try:
-            template = json.loads(config_file.read_text()).get("chat_template")
-        except (json.JSONDecodeError, AttributeError):
+            config = json.loads(config_file.read_text())
+        except json.JSONDecodeError:
+            config = {}
+        for key in ("bos_token", "eos_token"):
+            value = config.get(key) if isinstance(config, dict) else None
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                names[key] = value
+
+    def token_text(token_id) -> Optional[str]:
+        if tokenizer is None or token_id is None:
             return None
-        if isinstance(template, str):
-            return template
-        if isinstance(template, list):   # named templates: the "default" one
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            return named.get("default")
-    return None
+        return tokenizer.id_to_token(int(token_id))
+
+    generation = getattr(checkpoint, "generation", None)
+    eos_ids = tuple(getattr(generation, "eos_token_ids", ()) or ())
+    bos = names.get("bos_token") or token_text(getattr(generation, "bos_token_id", None))
+    eos = names.get("eos_token") or token_text(eos_ids[0] if eos_ids else None)
+    return bos, eos
 
 
 class ChatRenderer:
@@ -122,18 +124,12 @@ class ChatRenderer:
 
     @classmethod
     def for_engine(cls, engine) -> "ChatRenderer":
-        """The renderer of an :class:`~pagedspec.engine.engine.Engine`'s checkpoint."""
+        """The renderer of an :class:`~pagedspec.engine.engine.Engine`'s checkpoint (its
+        ``chat_template``, which the loader reads from ``chat_template.jinja``,
+        ``tokenizer_config.json`` or a GGUF file)."""
         checkpoint, tokenizer = engine.checkpoint, engine.tokenizer
-
-        def token_text(token_id) -> Optional[str]:
-            if tokenizer is None or token_id is None:
-                return None
-            return tokenizer.id_to_token(int(token_id))
-
-        eos_ids = tuple(engine.eos_token_ids or ())
-        bos_id = getattr(getattr(checkpoint, "generation", None), "bos_token_id", None)
-        return cls(find_chat_template(checkpoint), tokenizer, token_text(bos_id),
-                   token_text(eos_ids[0] if eos_ids else None),
+        bos, eos = special_tokens(checkpoint, tokenizer)
+        return cls(getattr(checkpoint, "chat_template", None), tokenizer, bos, eos,
                    str(getattr(checkpoint, "path", "the model")))
 
     def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
