@@ -265,28 +265,34 @@ def test_counts_percentiles_and_goodput_against_pagedspec_serve(
     assert bench.summarize(run, {"e2el": 1e-3})["good_requests"] == 0
 
 
-def test_cli_side_by_side_writes_json_markdown_and_plot(pagedspec_server, checkpoint, tmp_path):
-    # The same server under two names stands in for two servers: the table, the JSON and the
-    # plot are what is checked here, not a comparison.
+def test_cli_side_by_side_with_the_offline_llm_writes_json_markdown_and_plot(
+        pagedspec_server, checkpoint, tmp_path, monkeypatch):
+    # The server and the offline LLM on the same checkpoint, two tiers: the alternation, the
+    # counts of both kinds of column, the table, the JSON and the plot are what is checked.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "report"
     start = time.monotonic()
-    rc = bench.main(["--servers", f"a={pagedspec_server},b={pagedspec_server}",
+    rc = bench.main(["--servers", f"served={pagedspec_server}",
+                     "--offline", f"offline=--model {checkpoint} --dtype float32",
                      "--tokenizer", str(checkpoint), "--sweep-concurrency", "1,2",
-                     "--num-prompts", "2,4", "--input-len", "16", "--output-len", "4",
-                     "--num-warmups", "0", "--goodput", "ttft:60000", "tpot:60000",
+                     "--num-prompts", "2,3", "--input-len", "16", "--output-len", "4",
+                     "--num-warmups", "1", "--goodput", "ttft:60000", "tpot:60000",
                      "--out", str(out)])
-    assert rc == 0 and time.monotonic() - start < 60
+    assert rc == 0 and time.monotonic() - start < 90
     report = json.loads((out / "results.json").read_text())
     tiers = report["tiers"]
-    assert [(t["server"], t["concurrency"]) for t in tiers] == [("a", 1), ("b", 1), ("b", 2),
-                                                                 ("a", 2)]
+    assert [(t["server"], t["concurrency"]) for t in tiers] == [
+        ("served", 1), ("offline", 1), ("offline", 2), ("served", 2)]
     for t in tiers:
-        assert t["metrics"]["completed"] == t["num_prompts"]
-        assert t["metrics"]["total_output_tokens"] == 4 * t["num_prompts"]
-        assert t["metrics"]["good_requests"] == t["num_prompts"]
-        assert len(t["requests"]) == t["num_prompts"]
+        m = t["metrics"]
+        assert m["completed"] == t["num_prompts"] == len(t["requests"])
+        assert m["total_output_tokens"] == 4 * t["num_prompts"]
+        assert m["total_input_tokens"] == 16 * t["num_prompts"]
+        assert m["good_requests"] == t["num_prompts"]
+        assert m["ttft_ms"]["p50"] <= m["e2el_ms"]["p50"]
+        assert (m["itl_ms"]["mean"] is None) == (t["server"] == "offline")
     table = (out / "table.md").read_text()
-    assert "| concurrency | a out tok/s | a p99 TTFT ms | b out tok/s" in table
+    assert "| concurrency | served out tok/s | served p99 TTFT ms | offline out tok/s" in table
     assert "goodput req/s (ttft<=60000ms, tpot<=60000ms)" in table
     assert (out / "serve.png").stat().st_size > 10_000
 

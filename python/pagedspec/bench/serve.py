@@ -39,6 +39,13 @@ to ``--out`` (default ``bench/results/serve-<time>/``): ``results.json`` (config
 tier's metrics and per-request records), ``table.md``, and with several tiers ``serve.png``
 (p99 TTFT and output throughput against concurrency, one line per server).
 
+``--offline NAME="--model DIR [engine flags]"`` adds pagedspec's offline ``LLM`` as one more
+column, run in a subprocess on the same requests: one ``generate`` call per tier with
+``max_num_seqs`` = the tier's concurrency (all requests arrive at once; the rate is not applied),
+warmed up by the same warm-ups. Its TTFT and E2E are the engine's (first scheduled to first token
+and to finish), its TPOT follows from them, and it has no ITL: the bound the server is measured
+against ("the server costs at most 5% of the offline tokens/s").
+
 Targets are 127.0.0.1 / localhost only. Every wait is bounded: per request
 (``--request-timeout``), per tier (``--tier-timeout``, requests still running then count as
 failed) and per server start (``--server-start-timeout`` for ``/health``).
@@ -476,6 +483,80 @@ def parse_named(items: Sequence[str], argument: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def offline_worker(spec_path: str, out_path: str) -> int:
+    """Runs one tier through pagedspec's offline ``LLM`` (see ``--offline``): reads the tier from
+    ``spec_path`` (JSON written by :func:`run_offline_tier`), writes the results to ``out_path``."""
+    import dataclasses
+
+    from pagedspec.engine.config import EngineConfig
+    from pagedspec.llm import LLM, SamplingParams
+
+    spec = json.loads(Path(spec_path).read_text())
+    parser = argparse.ArgumentParser(prog="--offline")
+    EngineConfig.add_cli_args(parser)
+    config = EngineConfig.from_cli_args(parser.parse_args(spec["engine_args"]))
+    kwargs = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    if spec["concurrency"]:
+        kwargs["max_num_seqs"] = spec["concurrency"]
+    llm = LLM(kwargs.pop("model"), **kwargs)
+
+    def params(output_len: int) -> SamplingParams:
+        return SamplingParams(max_tokens=output_len, ignore_eos=True,
+                              temperature=spec["temperature"])
+
+    warmups = [RequestSpec(*w) for w in spec["warmups"]]
+    if warmups:
+        llm.generate([w.prompt for w in warmups], [params(w.output_len) for w in warmups],
+                     use_tqdm=False)
+    requests = [RequestSpec(*r) for r in spec["requests"]]
+    start_perf, start_mono = time.perf_counter(), time.monotonic()
+    outputs = llm.generate([r.prompt for r in requests], [params(r.output_len) for r in requests],
+                           use_tqdm=False)
+    duration = time.perf_counter() - start_perf
+    results = []
+    for r, out in zip(requests, outputs):
+        m, completion = out.metrics, out.outputs[0]
+        begin = m.first_scheduled_time or m.arrival_time
+        results.append(RequestResult(
+            success=completion.finish_reason in ("length", "stop"),
+            error="" if completion.finish_reason in ("length", "stop")
+            else f"finish_reason {completion.finish_reason}",
+            start=begin - start_mono, ttft=m.first_token_time - begin,
+            e2el=m.finished_time - begin, prompt_tokens=len(out.prompt_token_ids),
+            output_tokens=len(completion.token_ids), prompt_len=r.prompt_len,
+            output_len=r.output_len, finish_reason=completion.finish_reason))
+    Path(out_path).write_text(json.dumps({"duration": duration,
+                                          "results": [asdict(r) for r in results]}))
+    return 0
+
+
+def run_offline_tier(engine_args: str, requests: Sequence[RequestSpec],
+                     warmups: Sequence[RequestSpec], *, max_concurrency: Optional[int],
+                     temperature: float, work_dir: Path, log_path: Path,
+                     timeout: float) -> TierRun:
+    """One tier through :func:`offline_worker` in a subprocess (its own threads and memory, as a
+    server has); RuntimeError with the log's tail when it fails or runs past ``timeout``."""
+    spec_path, out_path = work_dir / "offline-spec.json", work_dir / "offline-out.json"
+    spec_path.write_text(json.dumps({
+        "engine_args": shlex.split(engine_args), "concurrency": max_concurrency,
+        "temperature": temperature, "requests": [list(asdict(r).values()) for r in requests],
+        "warmups": [list(asdict(w).values()) for w in warmups]}))
+    out_path.unlink(missing_ok=True)
+    with open(log_path, "ab") as log:
+        try:
+            code = subprocess.run([sys.executable, "-m", "pagedspec.bench.serve",
+                                   "--offline-worker", str(spec_path), str(out_path)],
+                                  stdout=log, stderr=subprocess.STDOUT, timeout=timeout
+                                  ).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    if code != 0 or not out_path.is_file():
+        tail = log_path.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"offline run failed ({code}); log {log_path}:\n{tail}")
+    data = json.loads(out_path.read_text())
+    return TierRun(data["duration"], [RequestResult(**r) for r in data["results"]], 0)
+
+
 # --------------------------------------------------------------------------------------------
 # Reports
 
@@ -591,6 +672,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--launch", action="append", default=[], metavar="NAME=COMMAND",
                         help="a server command to start for each tier (repeat to compare); "
                              "{port} in it is replaced, else --host/--port are appended")
+    target.add_argument("--offline", action="append", default=[], metavar='NAME="ENGINE FLAGS"',
+                        help="also run pagedspec's offline LLM with these engine flags "
+                             "(--model DIR ...) as one more column")
     target.add_argument("--server-start-timeout", type=float, default=300.0)
     p.add_argument("--model-name", default=None,
                    help="the request's model field (default: the first id of /v1/models)")
@@ -663,7 +747,29 @@ def validate(args) -> tuple[list[Optional[int]], list[int], dict[str, float]]:
     return concurrencies, prompts, parse_goodput(args.goodput)
 
 
+def run_server_tier(args, server: Optional[LaunchedServer], url: Optional[str],
+                    requests: Sequence[RequestSpec], warmups: Sequence[RequestSpec],
+                    concurrency: Optional[int], seed: int) -> tuple[str, TierRun]:
+    """One tier against a running server (``url``) or one started for it (``server``); returns
+    the model name sent and the run."""
+    if server is not None:
+        url = server.start()
+    try:
+        model = args.model_name or served_model_name(url)
+        return model, asyncio.run(run_tier(
+            url, model, requests, warmups, max_concurrency=concurrency,
+            request_rate=args.request_rate, burstiness=args.burstiness, seed=seed,
+            temperature=args.temperature, request_timeout=args.request_timeout,
+            tier_timeout=args.tier_timeout))
+    finally:
+        if server is not None:
+            server.stop()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--offline-worker"]:
+        return offline_worker(*argv[1:3])
     args = build_parser().parse_args(argv)
     try:
         concurrencies, prompts_per_tier, slo = validate(args)
@@ -673,9 +779,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         elif args.servers:
             servers = [(n, check_local_url(u, "--servers"))
                        for n, u in parse_named(args.servers.split(","), "--servers")]
-        else:
+        elif args.base_url or not args.offline:
             servers = [("server", check_local_url(args.base_url or "http://127.0.0.1:8000",
                                                   "--base-url"))]
+        else:
+            servers = []                # only the offline LLM
+        offline = dict(parse_named(args.offline, "--offline"))
+        if set(offline) & {name for name, _ in servers}:
+            raise ValueError(f"--offline names must differ from the servers', got "
+                             f"{sorted(offline)}")
+        servers += [(name, None) for name in offline]
         source = PromptSource(args.tokenizer)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -704,20 +817,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # Alternate which server goes first, so drift on a shared machine is not one-sided.
             order = servers if index % 2 == 0 else servers[::-1]
             for name, url in order:
-                server = launched.get(name)
-                if server is not None:
-                    url = server.start()
-                try:
-                    model = args.model_name or served_model_name(url)
-                    load_before = loadavg()
-                    run = asyncio.run(run_tier(
-                        url, model, requests, warmups, max_concurrency=concurrency,
-                        request_rate=args.request_rate, burstiness=args.burstiness,
-                        seed=tier_seed, temperature=args.temperature,
-                        request_timeout=args.request_timeout, tier_timeout=args.tier_timeout))
-                finally:
-                    if server is not None:
-                        server.stop()
+                load_before = loadavg()
+                if name in offline:
+                    model = offline[name]
+                    run = run_offline_tier(offline[name], requests, warmups,
+                                           max_concurrency=concurrency,
+                                           temperature=args.temperature, work_dir=out,
+                                           log_path=out / f"offline-{name}.log",
+                                           timeout=args.server_start_timeout + args.tier_timeout)
+                else:
+                    model, run = run_server_tier(args, launched.get(name), url, requests,
+                                                 warmups, concurrency, tier_seed)
                 tier = {"server": name, "concurrency": concurrency, "num_prompts": n,
                         "model": model, "loadavg_before": load_before,
                         "metrics": summarize(run, slo),
