@@ -39,6 +39,34 @@ KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
 RawLogprobs = tuple[float, int, list[tuple[int, float]]]
 
 
+class PhaseClock:
+    """Wall seconds per phase of the step, for the step profile
+    (:mod:`pagedspec.bench.step_profile`): :meth:`mark` charges the time since the previous
+    mark to a phase. The core's default clock does nothing, so a step pays nothing for it."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.steps = 0
+        self._last = 0.0
+
+    def start(self) -> None:
+        self._last = time.perf_counter()
+        self.steps += 1
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
+
+
+class _NoClock:
+    def start(self) -> None:
+        pass
+
+    def mark(self, phase: str) -> None:
+        pass
+
+
 def mix_seed(*parts: int) -> int:
     """A 63-bit seed from integers (splitmix64 steps), so derived generators are unrelated."""
     x = 0
@@ -174,6 +202,7 @@ class EngineCore:
         self._by_seq: dict[int, tuple[CoreRequest, int]] = {}   # seq id -> (request, index)
         self._finished_stats: list[FinishedRequestStats] = []     # aborts between steps
         self.last_stats = StepStats()
+        self.clock = _NoClock()       # a PhaseClock splits steps into phases (step profile)
 
     # ---- construction helpers -------------------------------------------------------------
     def _draft_checkpoint(self, config: EngineConfig) -> Optional[Checkpoint]:
@@ -324,16 +353,20 @@ class EngineCore:
 
     def step(self) -> list[SeqUpdate]:
         """One scheduler step; returns what each sequence that gained tokens gained."""
-        spec = self.speculator
+        spec, clock = self.speculator, self.clock
+        clock.start()
         step_start = time.perf_counter()
         for seq in self.scheduler.running:
             seq.draft_token_ids = []
         if spec is not None:
             spec.plan(self.scheduler.running, self.scheduler.config.max_num_batched_tokens)
+            clock.mark("plan_drafts")
         batch = self.scheduler.schedule()
+        clock.mark("schedule")
         draft_probs: list[Optional[torch.Tensor]] = [None] * len(batch.seqs)
         if spec is not None:
             draft_probs = spec.draft(batch, self._lookup, self._synchronized)
+            clock.mark("draft")
         now = time.monotonic()
         num_prompt_tokens = 0
         for seq, num in zip(batch.seqs, batch.num_scheduled_tokens):
@@ -350,6 +383,7 @@ class EngineCore:
             self.kv_budgets.record(self.block_manager, seq_ids, mass)
         if spec is not None:
             spec.observe_target(self._synchronized(start))
+        clock.mark("forward")
 
         # Logits rows per sequence: none (prefill chunk short of the prompt's end), or 1 + k.
         plain: list[tuple[Sequence, int]] = []          # (sequence, its logits row)
@@ -399,6 +433,7 @@ class EngineCore:
                 token_rows[seq.seq_id] = list(range(first, first + len(out)))
                 spec.record(seq, len(item.drafts), len(out) - 1)
         logprobs = self._logprobs(logits, new_tokens, token_rows)
+        clock.mark("sample_verify")
 
         lengths = {s.seq_id: len(s.token_ids) for s in seqs}
         sampled = [new_tokens.get(s.seq_id, []) for s in seqs]
@@ -411,7 +446,10 @@ class EngineCore:
         if spec is not None:
             spec.observe_step(batch, len(verify), sum(map(len, new_tokens.values())),
                               time.perf_counter() - step_start)
-        return self._updates(seqs, new_tokens, lengths, logprobs, batch, num_prompt_tokens)
+        clock.mark("update_evict")
+        updates = self._updates(seqs, new_tokens, lengths, logprobs, batch, num_prompt_tokens)
+        clock.mark("bookkeeping")
+        return updates
 
     def _logprobs(self, logits: torch.Tensor, new_tokens: dict[int, list[int]],
                   token_rows: dict[int, list[int]]) -> dict[int, list[RawLogprobs]]:

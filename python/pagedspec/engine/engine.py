@@ -138,6 +138,7 @@ class Engine:
             core.last_stats = core.collect_stats()      # aborts since the last step
             return []
         outputs, stopped = self.output_processor.process(core.step())
+        core.clock.mark("output_processing")
         if stopped:
             now = time.monotonic()
             for request_id, index in stopped:

@@ -1,0 +1,206 @@
+"""Where a decode step's wall time goes: the step profile.
+
+    python -m pagedspec.bench.step_profile [--model M] [--draft D] [--batch 1,8,64]
+                                           [--dtype bfloat16] [--threads 2] [--steps 24]
+                                           [--quick] [--out DIR]
+
+For each batch size, plain and speculative: the batch's requests are added and stepped through
+their prefill, then ``--steps`` decode steps are timed with the core's phase clock
+(:class:`pagedspec.engine.core.PhaseClock`) and as many again under ``torch.profiler``. A step's
+wall time is split into
+
+  gemm         self time of aten's matrix multiplies (from the profiled steps)
+  attention    self time of pagedspec's ops (reshape_and_cache, paged attention)
+  forward_rest the rest of the model's forward: elementwise ops, norms, RoPE, and Python
+  sample_verify  sampling, greedy / rejection verification, logprobs
+  schedule     the scheduler (and the block manager under it)
+  drafting     planning drafts and running the drafter
+  update       the scheduler's update, KV eviction, the core's per-sequence bookkeeping
+  output       output processing (detokenization, stop strings, outputs)
+
+``outside`` is everything but ``gemm`` and ``attention``: the time that is neither a GEMM nor an
+attention kernel. The model is ``smollm2-135m`` when it is in the model cache (speculation:
+n-gram prompt lookup, as no draft for it ships yet) and the shipped demo pair otherwise; prompts
+are slices of a real text (the standard library's ``json`` sources), so prompt lookup finds
+drafts as it would on an input-grounded task.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from pagedspec.bench.machine import default_out_dir, device_info
+
+GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::mv",
+                      "aten::addmv", "aten::_addmm_activation"})
+PHASES = ["gemm", "attention", "forward_rest", "sample_verify", "schedule", "drafting",
+          "update", "output"]
+
+
+def default_pair() -> tuple[str, str]:
+    """(target, speculative model) of the main job: SmolLM2 with n-gram drafting when it is in
+    the model cache, else the shipped demo pair."""
+    from pagedspec.models.loader import cached_model
+
+    if cached_model("smollm2-135m") is not None:
+        return "smollm2-135m", "ngram"
+    return "pagedspec-demo", "pagedspec-demo-draft"
+
+
+def grounded_prompts(tokenizer, vocab_size: int, batch: int, prompt_len: int) -> list[list[int]]:
+    """``batch`` prompts of ``prompt_len`` tokens: slices of the json package's sources (real
+    text whose continuation often repeats what came before)."""
+    import json.decoder
+    import json.encoder
+
+    text = inspect.getsource(json.encoder) + inspect.getsource(json.decoder)
+    if tokenizer is not None:
+        ids = tokenizer.encode(text).ids
+    else:
+        ids = [b % vocab_size for b in text.encode()]
+    stride = max(1, (len(ids) - prompt_len) // max(batch, 1))
+    return [ids[(i * stride) % max(1, len(ids) - prompt_len):][:prompt_len] for i in range(batch)]
+
+
+def _op_seconds(llm, steps: int) -> tuple[float, float]:
+    """(GEMM, pagedspec op) self CPU seconds per step over ``steps`` profiled steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            llm.engine.step()
+    gemm = attention = 0.0
+    for event in prof.key_averages():
+        seconds = event.self_cpu_time_total / 1e6
+        if event.key.startswith("pagedspec::"):
+            attention += seconds
+        elif event.key in GEMM_OPS:
+            gemm += seconds
+    return gemm / steps, attention / steps
+
+
+def profile_case(llm, prompts: list[list[int]], steps: int) -> dict:
+    """Adds the prompts, steps through their prefill, then times ``steps`` decode steps by
+    phase and profiles as many again; per-step seconds by phase."""
+    from pagedspec import SamplingParams
+    from pagedspec.engine.core import PhaseClock, _NoClock
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=3 * steps + 16, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"p{i}", prompt, params)
+    sched = engine.core.scheduler
+    for _ in range(10_000):        # prefill (chunked) until every sequence decodes
+        if not sched.waiting and all(s.is_decoding for s in sched.running):
+            break
+        engine.step()
+    for _ in range(4):              # a few decode steps to settle
+        engine.step()
+    clock = engine.core.clock = PhaseClock()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    wall = (time.perf_counter() - start) / steps
+    engine.core.clock = _NoClock()
+    gemm, attention = _op_seconds(llm, steps)
+    engine.abort([f"p{i}" for i in range(len(prompts))])
+    per = {k: v / clock.steps for k, v in clock.seconds.items()}
+    forward = per.get("forward", 0.0)
+    phases = {
+        "gemm": min(gemm, forward),
+        "attention": min(attention, max(forward - gemm, 0.0)),
+        "forward_rest": max(forward - gemm - attention, 0.0),
+        "sample_verify": per.get("sample_verify", 0.0),
+        "schedule": per.get("schedule", 0.0),
+        "drafting": per.get("plan_drafts", 0.0) + per.get("draft", 0.0),
+        "update": per.get("update_evict", 0.0) + per.get("bookkeeping", 0.0),
+        "output": per.get("output_processing", 0.0),
+    }
+    stats = llm.speculative_metrics()
+    return {"step_ms": wall * 1e3, "phases_ms": {k: v * 1e3 for k, v in phases.items()},
+            "outside_share": 1.0 - (phases["gemm"] + phases["attention"]) / wall,
+            "mean_accepted_length": stats["mean_acceptance_length"] if stats else None}
+
+
+def markdown(rows: list[dict], info: dict) -> str:
+    lines = [f"Step profile on {info.get('name')} ({info['device']}, "
+             f"{info.get('torch_threads')} threads, cpu_isa "
+             f"{info['pagedspec'].get('cpu_isa')}); per decode step, ms and share of the step", "",
+             "| model | mode | batch | step ms | " + " | ".join(PHASES) + " | outside GEMM+attn |",
+             "|---|---|---:|---:|" + "---:|" * len(PHASES) + "---:|"]
+    for r in rows:
+        step = r["step_ms"]
+        cells = " | ".join(f"{r['phases_ms'][p]:.2f} ({r['phases_ms'][p] / step:.0%})"
+                           for p in PHASES)
+        lines.append(f"| {r['model']} | {r['mode']} | {r['batch']} | {step:.2f} | {cells} | "
+                     f"{r['outside_share']:.0%} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pagedspec.bench.step_profile",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="target (default: smollm2-135m if cached, "
+                    "else pagedspec-demo)")
+    ap.add_argument("--draft", default=None, help="speculative model or 'ngram' (default: "
+                    "ngram for smollm2-135m, pagedspec-demo-draft for the demo)")
+    ap.add_argument("--batch", default=None, help="comma-separated batch sizes (1,8,64)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=None, help="timed decode steps per case (24)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="(128)")
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per step (fixed)")
+    ap.add_argument("--modes", default="plain,spec")
+    ap.add_argument("--quick", action="store_true",
+                    help="demo pair; defaults batch 1,4, 4 steps, 32-token prompts")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    from pagedspec import LLM
+
+    torch.set_num_threads(args.threads)
+    model, draft = default_pair()
+    defaults = ("1,4", 4, 32) if args.quick else ("1,8,64", 24, 128)
+    if args.quick:
+        model, draft = "pagedspec-demo", "pagedspec-demo-draft"
+    args.batch = args.batch or defaults[0]
+    args.steps = args.steps or defaults[1]
+    args.prompt_len = args.prompt_len or defaults[2]
+    model, draft = args.model or model, args.draft or draft
+    batches = [int(b) for b in args.batch.split(",")]
+    info = device_info(torch.device("cpu"))
+    rows = []
+    for mode in args.modes.split(","):
+        spec = dict(speculative_model=draft, num_speculative_tokens=args.k,
+                    speculative_adaptive=False) if mode == "spec" else {}
+        llm = LLM(model, dtype=args.dtype, device="cpu", max_num_seqs=max(batches),
+                  max_model_len=args.prompt_len + 4 * args.steps * (args.k + 1) + 64, **spec)
+        for batch in batches:
+            prompts = grounded_prompts(llm.tokenizer, llm.engine.vocab_size, batch,
+                                       args.prompt_len)
+            row = {"model": model, "mode": mode if mode == "plain" else f"{mode} ({draft}, "
+                   f"k={args.k})", "batch": batch, **profile_case(llm, prompts, args.steps)}
+            rows.append(row)
+            print(f"{model} {row['mode']} batch {batch}: {row['step_ms']:.2f} ms/step, "
+                  f"outside GEMM+attention {row['outside_share']:.0%}", flush=True)
+        del llm
+    table = markdown(rows, info)
+    print(table)
+    out = args.out or default_out_dir(torch.device("cpu"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "step_profile.json").write_text(json.dumps({"device": info, "rows": rows}, indent=1))
+    (out / "step_profile.md").write_text(table + "\n")
+    print(f"wrote {out / 'step_profile.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
