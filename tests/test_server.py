@@ -332,6 +332,51 @@ def test_chat_logprobs_and_template_errors(server, llm, checkpoint):
     assert "system message must come first" in r.json()["error"]["message"]
 
 
+TEMPLATES = {
+    # block tags on lines of their own, indented: trim_blocks and lstrip_blocks matter
+    "chatml": """{% for message in messages %}
+    {% if loop.first and message['role'] != 'system' %}
+<|im_start|>system
+You are helpful.<|im_end|>
+    {% endif %}
+<|im_start|>{{ message['role'] }}
+{{ message['content'] }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}""",
+    "namespace-tojson-loopcontrols": (
+        "{%- set ns = namespace(system='') -%}{%- for m in messages -%}"
+        "{%- if m.role == 'system' -%}{%- set ns.system = m.content -%}{%- continue -%}"
+        "{%- endif -%}[{{ m.role | upper }}] {{ m.content | tojson }}{% if not loop.last %}\n"
+        "{% endif %}{%- endfor %}\n{{ ns.system | tojson }}{{ eos_token }}"
+        "{% if add_generation_prompt %}{% generation %}[ASSISTANT]{% endgeneration %}{% endif %}"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_templates_render_as_transformers_renders_them(checkpoint, name):
+    import transformers
+
+    from pagedspec.serve.chat import ChatRenderer
+    from pagedspec.serve.protocol import ChatMessage
+
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(checkpoint / "tokenizer.json"),
+                                               bos_token="<s>", eos_token="</s>")
+    tok.chat_template = TEMPLATES[name]
+    rng = random.Random(name)
+    messages = [{"role": "system", "content": "Answer <b>briefly</b> & \"exactly\"."}] + [
+        {"role": role, "content": rng.choice(PROMPTS) + " é"}
+        for role in ["user", "assistant", "user"]]
+    renderer = ChatRenderer(TEMPLATES[name], tok.backend_tokenizer, "<s>", "</s>")
+    for add in (True, False):
+        want = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+        mine = renderer.render([ChatMessage(**m) for m in messages], add)
+        assert mine == want
+        assert renderer.encode([ChatMessage(**m) for m in messages], add) == tok.encode(
+            want, add_special_tokens=False)
+
+
 def test_chat_without_a_template_is_a_clear_400(spec_server):
     r = httpx.post(spec_server.base_url + "/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "hi"}]}, timeout=TIMEOUT)

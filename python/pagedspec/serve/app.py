@@ -71,13 +71,12 @@ async def _wait_for_disconnect(request) -> None:
 class OpenAIServer:
     """The request handlers over one AsyncEngine (see :func:`build_app`)."""
 
-    def __init__(self, engine, served_model_name: str, metrics: Optional[ServerMetrics]):
+    def __init__(self, engine, served_model_name: str):
         (_, self.EngineDeadError, self.EngineOverloadedError, self.OutputKind,
          self.SamplingParams) = _engine_classes()
         self.engine = engine
         core = engine.engine
         self.served_model_name = served_model_name
-        self.metrics = metrics
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
         self.model_path = str(core.checkpoint.path)
@@ -507,7 +506,7 @@ def build_app(engine, served_model_name: str, *, metrics: Optional[ServerMetrics
     :class:`~pagedspec.serve.metrics.ServerMetrics` whose ``record`` is the engine's
     ``stats_listener`` (see :func:`create_engine_and_app`). Without it ``GET /metrics`` is a
     404."""
-    server = OpenAIServer(engine, served_model_name, metrics)
+    server = OpenAIServer(engine, served_model_name)
     app = FastAPI(title="pagedspec", docs_url=None, redoc_url=None)
     app.state.server = server
 
