@@ -151,7 +151,7 @@ def test_blocks_written_under_a_smaller_scale_still_decode(tiny, gen, monkeypatc
     assert (worst <= 1.0) == requantize, worst
 
 
-# ---- the real model -------------------------------------------------------------------------------
+# ---- the real model ---------------------------------------------------------------------------
 SMOLLM2 = cached_model("smollm2-135m")
 
 

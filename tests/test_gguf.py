@@ -13,7 +13,7 @@ checkpoints holding the same float32 weights give bitwise equal logits.
 from __future__ import annotations
 
 import json
-import os
+import re
 import struct
 from pathlib import Path
 
@@ -434,7 +434,8 @@ def _data_start(path: Path) -> int:
 def test_truncated_files(small_gguf):
     blob = small_gguf.read_bytes()
     header_end = _data_start(small_gguf)
-    for cut, message in ((10, r"truncated or malformed GGUF file \(10 bytes, shorter than the 24-byte header"),
+    short = r"truncated or malformed GGUF file \(10 bytes, shorter than the 24-byte header"
+    for cut, message in ((10, short),
                          (200, "truncated or malformed GGUF file"),
                          (header_end // 2, "truncated or malformed GGUF file"),
                          (len(blob) - 5, r"truncated GGUF file: tensor '[\w.]+' \(\w+, shape")):
@@ -455,6 +456,13 @@ def test_malformed_files(small_gguf):
         (lambda b: b.__setitem__(slice(24, 32), struct.pack("<Q", 1 << 50)),
          "metadata key of 1125899906842624 bytes runs past the end"),
     ]
+    # the first tensor's type field: after its name, dimension count and dimensions
+    first = next(iter(pgguf.GGUFFile.open(small_gguf).tensors.values()))
+    at = blob.index(first.name.encode()) + len(first.name) + 4 + 8 * len(first.shape)
+    assert struct.unpack_from("<I", blob, at)[0] == first.qtype
+    cases.append((lambda b: b.__setitem__(slice(at, at + 4), struct.pack("<I", 99)),
+                  rf"tensor '{re.escape(first.name)}' has unknown type 99, which pagedspec "
+                  "cannot read"))
     for mutate, message in cases:
         bad = bytearray(blob)
         mutate(bad)

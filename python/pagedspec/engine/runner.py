@@ -11,13 +11,14 @@ sequence). Only the rows at ``logits_indices`` go through the LM head.
 FP8 caches use per-layer, per-tensor scales. With ``calibrate_fp8=True`` they are calibrated over
 the first steps until ``calibration_tokens`` tokens were computed: ``scale = amax(|x|) /
 (fp8_max / 2)`` rounded up to a power of two, for K and V of each layer, ``amax`` a running
-maximum over every token seen so far. One step is not enough: a one-token warm-up request left the scales of SmolLM2-135M 2-3x too
-small, and later K/V clipped (greedy agreement with float32 fell from 95% to 69% on a long
-prompt). When a scale grows, the blocks already written with the smaller one (tracked through
-the steps' writes, copies and swaps) are requantized to it, so every cached value always decodes
-with its layer's current scale. The factor 2 (2 to 4 after rounding) is headroom for later tokens larger
-than the calibration's; FP8 is a floating-point format, so headroom costs precision only in the subnormal
-range.
+maximum over every token seen so far. One step is not enough: a one-token warm-up request left
+the scales of SmolLM2-135M 2-3x too small, and later K/V clipped (greedy agreement with float32
+fell from 95% to 69% on a long prompt, issue 48). When a scale grows, the blocks already written
+with the smaller one (tracked through the steps' writes, copies and swaps) are requantized to
+it, so every cached value always decodes with its layer's current scale; powers of two make that
+requantization exact outside the subnormal range. The factor 2 (2 to 4 after rounding) is
+headroom for later tokens larger than the calibration's; FP8 is a floating-point format, so
+headroom costs precision only in the subnormal range.
 """
 from __future__ import annotations
 
