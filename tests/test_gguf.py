@@ -532,7 +532,8 @@ def smollm2_hf(request, tmp_path_factory):
     environment does not have). transformers takes 30-60 s for it on 2 busy cores (gguf-py's
     reader, then a tensor-name map rebuilt per module), so the result is kept as a safetensors
     directory in pytest's cache, keyed by the file and transformers' version; later runs load
-    that in ~2 s."""
+    that in ~2 s. The tokenizer transformers builds from the file is kept there too
+    (``gguf-tokenizer.json``)."""
     import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
@@ -540,6 +541,9 @@ def smollm2_hf(request, tmp_path_factory):
     key = f"smollm2-transformers-{stat.st_size}-{int(stat.st_mtime)}-{transformers.__version__}"
     cache = getattr(request.config, "cache", None)
     saved = cache.mkdir(key) if cache is not None else tmp_path_factory.mktemp(key)
+    if not (saved / "gguf-tokenizer.json").exists():
+        tok = transformers.AutoTokenizer.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
+        tok.backend_tokenizer.save(str(saved / "gguf-tokenizer.json"))
     if not (saved / "model.safetensors").exists():
         config = transformers.AutoConfig.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -572,6 +576,29 @@ def test_smollm2_config_and_weights_equal_transformers(smollm2_hf):
     assert names == set(state) - {"lm_head.weight"}
     for name in sorted(names):
         assert torch.equal(ckpt.weights.get(name), state[name]), name
+
+
+@needs_smollm2
+def test_smollm2_tokenizer_matches_transformers(smollm2_hf, request):
+    """The tokenizer agrees with transformers' GGUF tokenizer on prose, code, unicode and chat
+    markup; the one place they part is by design: llama.cpp's 'smollm' pre-tokenizer (and
+    SmolLM2's own tokenizer.json, ``Digits(individual_digits=True)``) isolates every digit
+    before the GPT-2 split, which transformers' GGUF builder leaves out, so whitespace before a
+    digit groups differently."""
+    import argparse
+    import textwrap
+
+    from tokenizers import Tokenizer
+
+    theirs = Tokenizer.from_file(str(Path(smollm2_hf.name_or_path) / "gguf-tokenizer.json"))
+    ours = load_checkpoint("smollm2-135m").load_tokenizer()
+    text = "\n\n".join(m.__doc__ for m in (argparse, json, textwrap)) + (
+        " ünïcödé 日本語 ✓ <|im_start|>user\nhi<|im_end|>\n")
+    assert ours.encode(text).ids == theirs.encode(text).ids
+    assert ours.get_vocab() == theirs.get_vocab()
+    assert ours.encode("x  \n 3").tokens == ["x", "ĠĠ", "ĊĠ", "3"]        # llama.cpp's split
+    assert theirs.encode("x  \n 3").tokens == ["x", "ĠĠĊ", "Ġ", "3"]
+    assert ours.encode("2026").tokens == ["2", "0", "2", "6"]
 
 
 @needs_smollm2
