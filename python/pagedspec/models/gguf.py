@@ -234,8 +234,11 @@ class GGUFFile:
 
 
 def _tensor_nbytes(path: Path, name: str, shape: tuple[int, ...], qtype: int) -> int:
+    """Bytes of a tensor of ``shape`` (ggml order) in type ``qtype``; an unknown type id or a
+    row that is not whole blocks raises :class:`CheckpointError`."""
     if qtype not in _BLOCKS:
-        # Size unknown to us: the tensor may still be unused; its load reports the type.
+        # A type ggml knows but we cannot dequantize: the header still parses (the size is
+        # known), and loading the tensor names it.
         if qtype in _FOREIGN_SIZES:
             block, type_size = _FOREIGN_SIZES[qtype]
         else:
@@ -504,8 +507,10 @@ def _hf_config(gf: GGUFFile) -> dict:
                               "factors, llama3-style scaling) is not supported")
     tokens = meta.get("tokenizer.ggml.tokens")
     embed = gf.tensors.get("token_embd.weight")
-    vocab = meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None) or (
-        embed.shape[1] if embed is not None and len(embed.shape) == 2 else None)
+    # The embedding's rows are the model's vocabulary (a tokenizer list may be shorter)
+    vocab = meta.get(f"{arch}.vocab_size") or (
+        embed.shape[1] if embed is not None and len(embed.shape) == 2 else None) or (
+        len(tokens) if tokens else None)
     if vocab is None:
         raise CheckpointError(f"{path}: no vocabulary size ({arch}.vocab_size, "
                               "tokenizer.ggml.tokens and token_embd.weight are all absent)")
