@@ -31,6 +31,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from pagedspec.serve.app import create_engine_and_app, make_parser  # noqa: E402
+from pagedspec.serve.app import main as serve_main  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -160,6 +161,44 @@ def test_models_health_and_cli_defaults(server):
     args = make_parser().parse_args(["--model", "m"])
     assert (args.host, args.port, args.max_waiting) == ("127.0.0.1", 8000, None)
     assert args.max_num_seqs == EngineConfig.max_num_seqs      # engine flags come along
+
+
+def test_pagedspec_serve_command_serves_and_stops_on_interrupt(checkpoint, tmp_path, capsys):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "pagedspec", "serve", "--model", str(checkpoint),
+               "--port", str(port), "--served-model-name", "cli-tiny", "--max-waiting", "4",
+               "--dtype", "float32", "--max-num-seqs", "4", "--log-level", "warning"]
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True) as proc:
+        try:
+            deadline = time.monotonic() + TIMEOUT
+            while True:
+                assert proc.poll() is None, proc.stdout.read()
+                assert time.monotonic() < deadline, "pagedspec serve did not come up"
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                        break
+                time.sleep(0.1)
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=TIMEOUT,
+                           json={"model": "cli-tiny", "prompt": PROMPTS[0], "max_tokens": 3})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(TIMEOUT) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    # a model that cannot be loaded: a message and exit status 2, before anything listens
+    assert serve_main(["--model", str(tmp_path / "missing"), "--port", str(port)]) == 2
+    assert "missing" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("max_tokens", [1, 9, 33])
