@@ -30,7 +30,7 @@ import os
 import re
 import struct
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
@@ -142,8 +142,8 @@ class GGUFFile:
     :class:`GGUFTensorInfo`, in file order). Tensor data stays on disk: :meth:`read` fetches one."""
     path: Path
     version: int
-    metadata: dict
-    tensors: dict[str, GGUFTensorInfo]
+    metadata: dict = field(repr=False)                   # a vocabulary is 100k+ strings
+    tensors: dict[str, GGUFTensorInfo] = field(repr=False)
 
     @classmethod
     def open(cls, path: Union[str, os.PathLike]) -> "GGUFFile":
@@ -583,7 +583,7 @@ class GGUFCheckpoint(Checkpoint):
     """A GGUF file as a :class:`Checkpoint`: ``path`` is the ``.gguf`` file, ``raw_config`` the
     ``transformers`` config its metadata amounts to, ``tokenizer_path`` the file too (it holds
     the tokenizer), ``gguf`` the parsed header."""
-    gguf: Optional[GGUFFile] = None
+    gguf: Optional[GGUFFile] = field(default=None, repr=False)
 
     def default_dtype(self) -> torch.dtype:
         return _default_dtype(self.gguf)
