@@ -26,7 +26,6 @@ COMMANDS = {
     "bench": "run the benchmark runner (kernels, end to end; `bench serve`: the serving load "
              "benchmark); --help for its options",
 }
-DEFAULT_MODEL = "pagedspec-demo"
 
 
 def usage() -> str:
@@ -52,7 +51,9 @@ def _generate_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--stop", action="append", default=None,
                           help="stop string; repeatable")
     sampling.add_argument("--ignore-eos", action="store_true")
-    EngineConfig.add_cli_args(p, model_default=DEFAULT_MODEL)
+    from pagedspec.models.loader import default_model
+
+    EngineConfig.add_cli_args(p, model_default=default_model())
     return p
 
 

@@ -8,9 +8,10 @@ loader. ``llama.py`` covers ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` and ``Mis
 """
 from pagedspec.models.llama import LlamaConfig, LlamaForCausalLM
 from pagedspec.models.loader import (CACHED_MODELS, Checkpoint, CheckpointError,
-                                     GenerationDefaults, cached_model, load_checkpoint,
+                                     GenerationDefaults, cached_model, default_model,
+                                     load_checkpoint,
                                      model_cache_dir, resolve_model_path)
 
 __all__ = ["CACHED_MODELS", "Checkpoint", "CheckpointError", "GenerationDefaults", "LlamaConfig",
-           "LlamaForCausalLM", "cached_model", "load_checkpoint", "model_cache_dir",
+           "LlamaForCausalLM", "cached_model", "default_model", "load_checkpoint", "model_cache_dir",
            "resolve_model_path"]

@@ -70,6 +70,12 @@ def cached_model(name: str) -> Optional[Path]:
     return path if path.is_file() else None
 
 
+def default_model() -> str:
+    """What ``pagedspec generate`` / ``serve`` and the benchmarks run without ``--model``: the
+    real model (``smollm2-135m``) once it is fetched, else the shipped demo model."""
+    return "smollm2-135m" if cached_model("smollm2-135m") is not None else "pagedspec-demo"
+
+
 def resolve_model_path(model: Union[str, os.PathLike]) -> Path:
     """A checkpoint's path: a directory or ``.gguf`` file as given, a checkpoint shipped in the
     package by name, or a cached model (:data:`CACHED_MODELS`) by short name."""

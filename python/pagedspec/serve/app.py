@@ -602,6 +602,7 @@ def create_engine_and_app(config, served_model_name: Optional[str] = None,
 def make_parser() -> argparse.ArgumentParser:
     """``pagedspec serve``'s flags: the server's, then every engine flag of EngineConfig."""
     from pagedspec.engine.config import EngineConfig
+    from pagedspec.models.loader import default_model
 
     p = argparse.ArgumentParser(prog="pagedspec serve",
                                 description="an OpenAI-compatible HTTP server (completions, "
@@ -615,7 +616,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="queued requests beyond which new ones get HTTP 503 (default: no limit)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
-    EngineConfig.add_cli_args(p)
+    EngineConfig.add_cli_args(p, model_default=default_model())
     return p
 
 
