@@ -699,3 +699,31 @@ def test_flood_beyond_max_waiting_gets_503s_and_nothing_else_breaks(checkpoint, 
         srv.wait_idle()
         bm = srv.engine.engine.core.block_manager
         assert bm.num_free_blocks == bm.num_blocks
+
+
+# the driver thread re-raises the failure that stopped it, as it should
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_engine_that_dies_answers_500_and_health_503(checkpoint):
+    """A failure inside a step (not a user's input) ends the engine: the open stream gets an
+    error event and [DONE], later requests a 500 saying so, and /health turns 503."""
+    with running_server(engine_config(checkpoint), "tiny") as srv:
+        core_engine = srv.engine.engine
+        real_step, calls = core_engine.step, []
+
+        def failing_step():
+            calls.append(1)
+            if len(calls) > 3:
+                raise RuntimeError("injected step failure")
+            return real_step()
+
+        core_engine.step = failing_step
+        with httpx.Client(timeout=TIMEOUT) as http:
+            with http.stream("POST", srv.base_url + "/v1/completions", json={
+                    "prompt": PROMPTS[0], "max_tokens": 50, "stream": True}) as r:
+                events = [line for line in r.iter_lines() if line]
+            assert r.status_code == 200 and events[-1] == "data: [DONE]"
+            error = json.loads(events[-2][len("data: "):])["error"]
+            assert "injected step failure" in error["message"]
+            later = http.post(srv.base_url + "/v1/completions", json={"prompt": "x"})
+            assert later.status_code == 500 and "engine stopped" in later.json()["error"]["message"]
+            assert http.get(srv.base_url + "/health").status_code == 503
