@@ -683,9 +683,9 @@ def test_flood_beyond_max_waiting_gets_503s_and_nothing_else_breaks(checkpoint, 
         long_texts, burst = asyncio.run(go())
         assert long_texts == want_long
         statuses = [r.status_code for r in burst]
-        # two may wait; a third can slip in when it arrives while the engine is applying an
-        # earlier add (AsyncEngine counts an applied add as waiting only after that step)
-        assert set(statuses) <= {200, 503} and 2 <= statuses.count(200) <= 3, statuses
+        # two may wait; one of them can be refused when it arrives in the instant between the
+        # driver publishing a step's queue sizes and retiring its applied adds (counted twice)
+        assert set(statuses) <= {200, 503} and 1 <= statuses.count(200) <= 2, statuses
         for i, r in enumerate(burst):
             if r.status_code == 200:
                 assert r.json()["choices"][0]["text"] == want_short[i % len(PROMPTS)].text
