@@ -240,13 +240,9 @@ class OpenAIServer:
         """A StreamingResponse of ``events`` that aborts ``streams`` the moment the client goes,
         and when the stream ends in any other way (cancelled by Starlette, an error)."""
         async def body() -> AsyncIterator[str]:
-            def on_disconnect(_task) -> None:
-                for stream in streams:
-                    if not stream.finished:
-                        self.engine.abort(stream.request_id)
-
             watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-            watcher.add_done_callback(lambda t: None if t.cancelled() else on_disconnect(t))
+            watcher.add_done_callback(
+                lambda task: task.cancelled() or self._abort_unfinished(streams))
             try:
                 async for event in events:
                     yield event
