@@ -232,6 +232,7 @@ def test_bad_requests_are_refused_and_nothing_is_queued(ckpt):
         ("x", [1], SamplingParams(max_tokens=True), r"SamplingParams\.max_tokens"),
         ("x", [1], SamplingParams(n=0), r"SamplingParams\.n must be"),
         ("x", [1], SamplingParams(stop=5), r"SamplingParams\.stop must be"),
+        ("x", [1], SamplingParams(seed=2 ** 64), r"SamplingParams\.seed must be"),
         ("x", [1] * 80, good, "prompt has 80 tokens; max_model_len is 64"),
         ("x", [], good, "prompt is empty"),
         ("x", [1, 10 ** 6], good, r"token-id prompt must hold ints in \[0, 320\)"),

@@ -260,19 +260,26 @@ class EngineCore:
         if not p.ignore_eos:
             stop_ids.update(self.checkpoint.generation.eos_token_ids)
         max_tokens = min(p.max_tokens, self.max_model_len - len(request.prompt_token_ids))
+        generator = self._generator(request, 0)      # before anything is queued: it may raise
         seq = self.scheduler.add(request.prompt_token_ids, max_tokens, None, sorted(stop_ids))
         self.requests[request.request_id] = request
-        self._attach(request, 0, seq)
+        self._attach(request, 0, seq, generator)
 
-    def _attach(self, request: CoreRequest, index: int, seq: Sequence) -> None:
+    def _generator(self, request: CoreRequest, index: int) -> torch.Generator:
+        """Completion ``index``'s generator: from the request's seed, else from the engine's seed
+        and the request's arrival number (never from its id, which is the caller's string)."""
         seed = request.params.seed
         g = torch.Generator(device=self.device)
         if seed is None:
             g.manual_seed(mix_seed(self.config.seed, request.number, index))
         else:
             g.manual_seed(mix_seed(seed, index) if index else seed)
+        return g
+
+    def _attach(self, request: CoreRequest, index: int, seq: Sequence,
+                generator: Optional[torch.Generator] = None) -> None:
         request.seqs.append(seq)
-        request.generators.append(g)
+        request.generators.append(generator or self._generator(request, index))
         self._by_seq[seq.seq_id] = (request, index)
         self.kv_budgets.set(seq.seq_id, request.kv_policy)
 

@@ -85,8 +85,8 @@ class SamplingParams:
         if self.logprobs is not None and not (is_int(self.logprobs)
                                               and 0 <= self.logprobs <= vocab_size):
             raise bad("logprobs", f"None or an int in [0, {vocab_size}]")
-        if self.seed is not None and not is_int(self.seed):
-            raise bad("seed", "None or an int")
+        if self.seed is not None and not (is_int(self.seed) and -2**63 <= self.seed < 2**64):
+            raise bad("seed", "None or an int in [-2**63, 2**64)")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise bad("stop_token_ids", "None or a list of token ids")
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
