@@ -5,7 +5,6 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 #include <c10/util/Optional.h>
 
 #include <cmath>
@@ -56,20 +55,6 @@ inline bool rows_overlap(const at::Tensor& t) {
 // Block sizes: a power of two up to 1024 (the kernels split positions with shifts and masks).
 inline bool attention_block_size_supported(int64_t block_size) {
   return block_size >= 1 && block_size <= 1024 && (block_size & (block_size - 1)) == 0;
-}
-
-// Whether two tensors may share memory: never when their storages differ; otherwise torch's
-// answer for dense tensors, else whether their byte ranges intersect (conservative for
-// interleaved views of one buffer, which no caller of these ops needs).
-inline bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0) return false;
-  if (!a.storage().is_alias_of(b.storage())) return false;
-  if (a.is_non_overlapping_and_dense() && b.is_non_overlapping_and_dense()) {
-    return at::get_overlap_status(a, b) != at::MemOverlapStatus::No;
-  }
-  const auto [a0, a1] = byte_range(a);
-  const auto [b0, b1] = byte_range(b);
-  return a0 < b1 && b0 < a1;
 }
 
 // Validated shapes and formats of one call.

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Optional.h>
 #include <c10/util/accumulate.h>
 
@@ -106,6 +107,20 @@ inline std::pair<uintptr_t, uintptr_t> byte_range(const at::Tensor& t) {
   for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * std::abs(t.stride(d));
   const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
   return {begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size())};
+}
+
+// Whether two tensors may share memory: never when their storages differ; otherwise torch's
+// answer for dense tensors, else whether their byte ranges intersect (conservative for
+// interleaved views of one buffer, which no caller of these ops needs).
+inline bool may_share_memory(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
+  if (!a.storage().is_alias_of(b.storage())) return false;
+  if (a.is_non_overlapping_and_dense() && b.is_non_overlapping_and_dense()) {
+    return at::get_overlap_status(a, b) != at::MemOverlapStatus::No;
+  }
+  const auto [a0, a1] = byte_range(a);
+  const auto [b0, b1] = byte_range(b);
+  return a0 < b1 && b0 < a1;
 }
 
 inline void check_same_device(const char* op, const char* name, const at::Tensor& t,

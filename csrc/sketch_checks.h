@@ -66,6 +66,13 @@ inline SketchGeometry check_cms_update(const at::Tensor& sketch, const at::Tenso
   const SketchGeometry geo = check_sketch(op, sketch);
   check_sketch_keys(op, keys, sketch);
   check_sketch_increments(op, increments, keys, sketch);
+  // The sketch is written while keys and increments are read (the conservative update reads
+  // them again after the estimates), so an input in the sketch's memory would change under the
+  // update, differently on each backend.
+  TORCH_CHECK(!may_share_memory(sketch, keys), "pagedspec.", op,
+              ": keys must not share memory with sketch, got overlapping tensors");
+  TORCH_CHECK(!increments.has_value() || !may_share_memory(sketch, *increments), "pagedspec.",
+              op, ": increments must not share memory with sketch, got overlapping tensors");
   return geo;
 }
 

@@ -512,3 +512,30 @@ def test_large_conservative_batch_is_independent_of_thread_count(threads, gen):
     finally:
         torch.set_num_threads(previous)
     assert np.array_equal(sketch.numpy(), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("conservative", [False, True], ids=["plain", "conservative"])
+@pytest.mark.parametrize("alias", ["keys", "increments"])
+def test_update_inputs_in_the_sketch_memory_are_rejected(device, conservative, alias, gen):
+    """keys or increments that are views of the sketch's own memory would change while the
+    update writes the sketch (differently on each backend): an error naming the argument, with
+    the sketch untouched. The same values copied out of it are accepted, as the reference
+    computes them."""
+    sketch = torch.randint(0, 100, (4, 32), generator=gen, dtype=torch.int32).to(device)
+    flat = sketch.view(-1)
+    if alias == "keys":
+        keys, increments = flat.view(torch.int64)[8:16], None
+    else:
+        keys, increments = torch.randint(-50, 50, (8,), generator=gen).to(device), flat[40:48]
+    before = sketch.clone()
+    with pytest.raises(RuntimeError, match=f"pagedspec.cms_update: {alias} must not share "
+                                           "memory with sketch, got overlapping tensors"):
+        ops.cms_update(sketch, keys, increments, conservative)
+    assert torch.equal(sketch, before)
+    keys, increments = keys.clone(), None if increments is None else increments.clone()
+    want = sketch.cpu().clone()
+    reference.cms_update(want, keys.cpu(), None if increments is None else increments.cpu(),
+                         conservative)
+    ops.cms_update(sketch, keys, increments, conservative)
+    assert torch.equal(sketch.cpu(), want)

@@ -439,6 +439,9 @@ def cms_update(sketch: torch.Tensor, keys: torch.Tensor,
         increments: int32 ``[n]``, each >= 0; default 1 per key.
         conservative: raise each hit counter only to (estimate before the call + this call's
             increments for the key). Both modes are independent of the order of keys.
+
+    Raises RuntimeError naming the argument when ``keys`` or ``increments`` shares memory with
+    ``sketch`` (the sketch is written while they are read).
     """
     op = "cms_update"
     if not isinstance(conservative, (bool, numbers.Integral)):
