@@ -81,6 +81,9 @@ class EngineConfig:
     kv_sink_tokens: int = _setting(4, "first tokens eviction always keeps", type=int)
     kv_recent_tokens: Optional[int] = _setting(None, "latest tokens eviction always keeps",
                                                type=int)
+    compile: bool = _setting(False, "run the model's (and the draft's) forward through "
+                             "torch.compile: the first step of each kind compiles, later ones "
+                             "fuse the elementwise work around the GEMMs")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, model_default: Optional[str] = None

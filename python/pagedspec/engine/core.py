@@ -177,7 +177,8 @@ class EngineCore:
                                                    max_num_batched_tokens=budget,
                                                    preemption_mode=config.preemption_mode),
                                    self.block_manager)
-        self.runner = ModelRunner(self.model, self.kv_cache, calibrate_fp8=calibrate)
+        self.runner = ModelRunner(self.model, self.kv_cache, calibrate_fp8=calibrate,
+                                  compile=config.compile)
         self.speculator: Optional[Speculator] = None
         self.draft_model = None
         if config.speculative_model is not None:
@@ -196,7 +197,7 @@ class EngineCore:
                     draft_cache.set_scales(*scales)
                 self.speculator = Speculator(controller, draft_model=DraftModelProposer(
                     self.draft_model, draft_cache, calibrate_fp8=draft_cache.is_fp8
-                    and scales is None))
+                    and scales is None, compile=config.compile))
         self.kv_budgets = KVBudgets(seed=config.seed)
         self.requests: dict[str, CoreRequest] = {}
         self._by_seq: dict[int, tuple[CoreRequest, int]] = {}   # seq id -> (request, index)

@@ -22,7 +22,7 @@ headroom costs precision only in the subnormal range.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -39,10 +39,17 @@ CALIBRATION_TOKENS = 256
 
 
 class ModelRunner:
-    """Runs ``model`` on ``kv_cache``'s device; the model's weights must live there too."""
+    """Runs ``model`` on ``kv_cache``'s device; the model's weights must live there too.
+
+    ``compile=True`` runs the forward pass through ``torch.compile`` (inductor), with pagedspec's
+    ops as opaque custom ops (their fake kernels give the shapes), so the elementwise work around
+    the GEMMs (norms, RoPE, SwiGLU, residual adds) fuses. Per-step tensors are marked dynamic in
+    their step-varying dimensions, so varying token and sequence counts reuse a few graphs (one
+    or one and a size-1 specialization per kind of step) instead of recompiling; the first step
+    of each kind pays the compilation once per process. FP8 calibration steps run eagerly."""
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, calibrate_fp8: bool = False,
-                 calibration_tokens: int = CALIBRATION_TOKENS):
+                 calibration_tokens: int = CALIBRATION_TOKENS, compile: bool = False):
         if len(kv_cache.key_caches) != model.num_layers:
             raise ValueError(f"ModelRunner: the KV cache has {len(kv_cache.key_caches)} layers, "
                              f"the model {model.num_layers}")
@@ -68,6 +75,16 @@ class ModelRunner:
         self._written: set[int] = set()
         self._written_cpu: set[int] = set()
         self.num_steps = 0             # forward passes run (the target model's step count)
+        self.compiled = bool(compile)
+        self._forward = self._eager_forward
+        if compile:
+            # Every runner (target, draft) shares _eager_forward's code object, whose graphs
+            # dynamo counts against one limit (8 by default): a few kinds of step per model need
+            # more. vLLM raises it too.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            # dynamic=None: sizes start static and only the dimensions marked below (or seen to
+            # vary) become symbolic; fullgraph: a break would silently leave the ops eager.
+            self._forward = torch.compile(self._eager_forward, dynamic=None, fullgraph=True)
 
     def _track_moves(self, moves) -> None:
         """Blocks that calibration-era K/V reached through this step's swaps and copies."""
@@ -121,7 +138,7 @@ class ModelRunner:
         slot_mapping = batch.slot_mapping.to(dev)
         block_tables, seq_lens = batch.block_tables.to(dev), batch.seq_lens.to(dev)
         cu_seqlens_q = batch.cu_seqlens_q.to(dev)
-        calibrate, fp8 = self.calibrate_fp8, kv.is_fp8
+        calibrate = self.calibrate_fp8
         written = written_cpu = None
         if calibrate:
             if self._written:
@@ -133,21 +150,23 @@ class ModelRunner:
         # every layer: the work and scratch follow the real lengths, not the table's width.
         plan = ops.plan_paged_attention(batch.seq_lens, batch.cu_seqlens_q, model.num_heads,
                                         model.num_kv_heads, model.head_size, dev)
-
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            key_cache, value_cache = kv.key_caches[layer], kv.value_caches[layer]
-            k_scale = kv.k_scales[layer] if fp8 else None
-            v_scale = kv.v_scales[layer] if fp8 else None
-            if calibrate:
-                self._calibrate(layer, k, v, written, written_cpu)
-            ops.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale)
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            ops.paged_attention_run(out, q, key_cache, value_cache, block_tables, seq_lens,
-                                    cu_seqlens_q, batch.max_q_len, model.scale, plan.plan,
-                                    plan.workspace, k_scale, v_scale, attn_mass=attn_mass)
-            return out
-
-        hidden = model.forward(batch.input_ids.to(dev), batch.positions.to(dev), attend)
+        inputs = (batch.input_ids.to(dev), batch.positions.to(dev), slot_mapping, block_tables,
+                  seq_lens, cu_seqlens_q, plan.plan, plan.workspace)
+        if calibrate:
+            hidden = self._eager_forward(
+                *inputs, batch.max_q_len, attn_mass,
+                on_kv=lambda layer, k, v: self._calibrate(layer, k, v, written, written_cpu))
+        else:
+            max_q_len = batch.max_q_len
+            if self.compiled:
+                for t in inputs:        # every step-varying size symbolic (or specialized to 1)
+                    for dim in range(t.dim()):
+                        torch._dynamo.maybe_mark_dynamic(t, dim)
+                # An int argument of an op specializes the graph on its value; max_q_len is only
+                # an upper bound on each sequence's query rows, so three values cover all steps:
+                # decodes, verifications (k + 1 <= 17 rows) and prefill chunks.
+                max_q_len = 1 if max_q_len == 1 else 17 if max_q_len <= 17 else model.max_position
+            hidden = self._forward(*inputs, max_q_len, attn_mass)
         if calibrate:
             block_size = kv.key_caches[0].shape[1]
             slots = batch.slot_mapping[batch.slot_mapping >= 0]      # -1: a padding row
@@ -160,6 +179,34 @@ class ModelRunner:
         if not all_rows:
             hidden = hidden[batch.logits_indices.to(dev)]
         return model.compute_logits(hidden)
+
+    def _eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                       slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                       seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, plan: torch.Tensor,
+                       workspace: torch.Tensor, max_q_len: int,
+                       attn_mass: Optional[torch.Tensor],
+                       on_kv: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None
+                       ) -> torch.Tensor:
+        """The model's forward over the paged cache: a function of the step's tensors only (the
+        caches and scales are the runner's), so ``torch.compile`` can take it whole.
+        ``on_kv(layer, k, v)`` sees each layer's new K/V before they are cached (calibration)."""
+        kv, model = self.kv_cache, self.model
+        fp8 = kv.is_fp8
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            key_cache, value_cache = kv.key_caches[layer], kv.value_caches[layer]
+            k_scale = kv.k_scales[layer] if fp8 else None
+            v_scale = kv.v_scales[layer] if fp8 else None
+            if on_kv is not None:
+                on_kv(layer, k, v)
+            ops.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            ops.paged_attention_run(out, q, key_cache, value_cache, block_tables, seq_lens,
+                                    cu_seqlens_q, max_q_len, model.scale, plan, workspace,
+                                    k_scale, v_scale, attn_mass=attn_mass)
+            return out
+
+        return model.forward(input_ids, positions, attend)
 
 
 def _requantize(cache: torch.Tensor, blocks: torch.Tensor, ratio: torch.Tensor) -> None:

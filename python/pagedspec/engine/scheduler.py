@@ -245,7 +245,9 @@ class Scheduler:
         cache_lens = seq_lens - evicted
         cache_positions = positions - np.repeat(evicted, q_lens)
         bs = bm.block_size
-        width = int(-(-cache_lens.max() // bs)) if n else 0
+        # At least two columns: a compiled forward would get a graph of its own for tables one
+        # block wide (sizes of 1 are specialized); the kernels never read past a length.
+        width = max(2, int(-(-cache_lens.max() // bs))) if n else 0
         block_tables = bm.table_matrix[rows, :width]
         slot_mapping = (block_tables[np.repeat(np.arange(n), q_lens), cache_positions // bs]
                         .astype(np.int64) * bs + cache_positions % bs)

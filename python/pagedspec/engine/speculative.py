@@ -123,8 +123,9 @@ class DraftModelProposer:
     block size (the block tables are shared). Call :meth:`apply_moves` with every step's block
     moves, drafting or not, so both caches stay in step."""
 
-    def __init__(self, model: CausalLM, kv_cache: KVCache, calibrate_fp8: bool = False):
-        self.runner = ModelRunner(model, kv_cache, calibrate_fp8=calibrate_fp8)
+    def __init__(self, model: CausalLM, kv_cache: KVCache, calibrate_fp8: bool = False,
+                 compile: bool = False):
+        self.runner = ModelRunner(model, kv_cache, calibrate_fp8=calibrate_fp8, compile=compile)
         self.kv_cache, self.device = kv_cache, kv_cache.device
         self.block_size = kv_cache.key_caches[0].shape[1]
         self.pass_times: list[tuple[int, int, float]] = []  # last propose: (seqs, tokens, s)
