@@ -92,3 +92,13 @@ def test_until_stop(tokens, stop, cap, expected):
 def test_vllm_python_choice(tmp_path):
     assert e2e.vllm_python("none") is None
     assert e2e.vllm_python(str(tmp_path / "python")) == tmp_path / "python"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(workload_names=["decode-b1", "decode-b64"]), "workloads must be among"),
+    (dict(dtypes=["float16"]), "dtypes must be among"),
+])
+def test_bad_selections_are_refused_before_loading(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        e2e.run(torch.device("cpu"), model="/nonexistent", quick=True, threads=1,
+                vllm_python_path="none", **kwargs)

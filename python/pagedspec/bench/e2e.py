@@ -543,7 +543,8 @@ def _decoded(llm, tokens: list[int]) -> str:
 
 def run(device: torch.device, *, model: Optional[str] = None, quick: bool = False,
         vllm: Optional[dict[str, float]] = None, dtypes: Optional[list[str]] = None,
-        vllm_python_path: Optional[str] = None, threads: int = THREADS) -> Report:
+        vllm_python_path: Optional[str] = None, threads: int = THREADS,
+        workload_names: Optional[list[str]] = None) -> Report:
     """Runs every workload on every engine, per dtype, then the profiled step splits; prints a
     line per workload and the sample completions.
 
@@ -555,6 +556,7 @@ def run(device: torch.device, *, model: Optional[str] = None, quick: bool = Fals
         dtypes: names of torch dtypes (default :data:`DTYPES`).
         vllm_python_path: vLLM's interpreter (None: ``.venv-vllm`` when present; "none": skip).
         threads: torch threads for pagedspec and transformers, cores bound for vLLM.
+        workload_names: run only these workloads (default: all of :func:`workloads`).
     """
     import transformers
 
@@ -563,6 +565,10 @@ def run(device: torch.device, *, model: Optional[str] = None, quick: bool = Fals
     torch.set_num_threads(threads)
     transformers.utils.logging.disable_progress_bar()   # the per-workload lines are the output
     dtypes = list(dtypes or DTYPES)
+    known = [w.name for w in workloads(quick)]
+    for name in workload_names or ():
+        if name not in known:
+            raise ValueError(f"bench.e2e: workloads must be among {known}, got {name!r}")
     for name in dtypes:
         if name not in DTYPES:
             raise ValueError(f"bench.e2e: dtypes must be among {DTYPES}, got {name!r}")
@@ -571,7 +577,8 @@ def run(device: torch.device, *, model: Optional[str] = None, quick: bool = Fals
     with checkpoint_dir(model, quick) as (path, name):
         config = json.loads((path / "config.json").read_text())
         max_len = config.get("max_position_embeddings", 2048)
-        timed = [w.fitted(max_len) for w in workloads(quick)]
+        timed = [w.fitted(max_len) for w in workloads(quick)
+                 if workload_names is None or w.name in workload_names]
         report = Report({"model": name, "model_path": str(path), "dtypes": dtypes,
                          "device": str(device), "quick": quick, "threads": threads,
                          "vllm_python": str(peer) if peer else None, **cpu_isa()}, vllm=vllm)
@@ -820,6 +827,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--vllm-python", default=None,
                         help=f"vLLM's interpreter (default {VLLM_PYTHON} when it exists; 'none' "
                              "skips vLLM)")
+    parser.add_argument("--workload", default=None,
+                        help="comma-separated workloads to run (default: all)")
     parser.add_argument("--out", type=Path, default=None, help="output folder")
     add_arguments(parser)
     args = parser.parse_args(argv)
@@ -829,7 +838,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = resolve_device(args.device)
     report = run(device, model=args.model, quick=args.quick, vllm=args.vllm_results,
                  dtypes=[d for d in args.dtype.split(",") if d],
-                 vllm_python_path=args.vllm_python, threads=args.threads)
+                 vllm_python_path=args.vllm_python, threads=args.threads,
+                 workload_names=args.workload.split(",") if args.workload else None)
     info = {**device_info(device), **cpu_isa()}
     out_dir = args.out or default_out_dir(device)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -269,6 +269,7 @@ def run(model_dir, device: torch.device, context: int = 2048, docs: int = 3,
     asks = retrieval_prompts(tokenizer, context, prompts, rest) if prompts else []
     engine = _Engine(model, longest, device)
     rows = [run_policy(engine, windows, asks, KVEvictionPolicy(), context, tokenizer)]
+    print(_line(rows[-1]), flush=True)
     for budget in budgets_for(context, fractions):
         for mode in POLICIES:
             rows.append(run_policy(engine, windows, asks,
@@ -289,7 +290,8 @@ def run(model_dir, device: torch.device, context: int = 2048, docs: int = 3,
 
 def _line(r: EvictionRun) -> str:
     return (f"{r.policy:9s} budget {r.budget or 'full'}: ppl {r.perplexity:.3f}, 2nd half "
-            f"{r.perplexity_second_half:.3f}, retrieved {r.retrieved}/{r.retrieval_prompts}")
+            f"{r.perplexity_second_half:.3f}, retrieved {r.retrieved}/{r.retrieval_prompts} "
+            f"{json.dumps(asdict(r))}")
 
 
 def markdown_table(report: dict) -> str:
