@@ -57,6 +57,9 @@ inline bool attention_block_size_supported(int64_t block_size) {
   return block_size >= 1 && block_size <= 1024 && (block_size & (block_size - 1)) == 0;
 }
 
+// The largest softmax scale: float32 max / log2(e), so that scale x log2(e) is a finite float32.
+constexpr double kMaxAttentionScale = 3.4028234663852886e38 / 1.4426950408889634;
+
 // Validated shapes and formats of one call.
 struct AttentionArgs {
   CacheFormat format;
@@ -163,8 +166,14 @@ inline AttentionArgs check_attention(const char* op, const at::Tensor& out,
   // The kernels index heads and (token, head) rows in int32.
   TORCH_CHECK(num_tokens * num_heads < (int64_t(1) << 31), "pagedspec.", op,
               ": num_tokens x num_heads must fit in int32, got ", num_tokens, " x ", num_heads);
+  // The kernels scale logits by scale x log2(e) in float32 (the log2 domain of their softmax):
+  // a scale whose factor is not a finite float32 would turn every logit into inf or NaN.
   TORCH_CHECK(std::isfinite(scale) && scale > 0.0, "pagedspec.", op,
               ": scale must be finite and > 0, got ", scale);
+  TORCH_CHECK(scale <= kMaxAttentionScale, "pagedspec.", op, ": scale must be at most ",
+              kMaxAttentionScale,
+              " (float32 max / log2(e): logits are scaled by scale x log2(e) in float32), got ",
+              scale);
   TORCH_CHECK(!rows_overlap(out), "pagedspec.", op,
               ": out must not overlap itself in memory (each (token, head) row is written "
               "once), got sizes ", out.sizes(), " and strides ", out.strides());

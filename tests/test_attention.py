@@ -547,3 +547,208 @@ def test_unchecked_cuda_inputs_still_define_every_output(gen, fn):
     out, lse, _ = case.run(fn, lse=True)
     assert_close(out[:2], want[:2], torch.float16)
     assert (out[2] == 0).all() and (lse[2] == float("-inf")).all()
+
+
+# ------------------------------------------------------------------------------------------
+# Rows whose softmax is undefined and logits near the float32 limit (CONTRACT.md, paged_attention's
+# extensions: "Undefined rows" and attn_mass). The kernels decide both in their epilogue and split
+# merge, whatever a path's inner loops make of NaN or inf scores, so every case runs v1 (one pass),
+# v2 and the dispatcher (split sequences, merged), and tests/test_cpu_isa.py runs them at every
+# CPU level.
+
+# id (the path the case takes at the avx2 level), dtype, cache dtype, head size, (heads, kv heads),
+# q_lens, seq_lens. The long sequences are split by v2 and the dispatcher. At avx2 an FP8 task of
+# more than 10 rows reads its tiles as bf16 images, of up to 10 converts codes in registers.
+EDGE_CASES = [
+    ("f32-decode-G4", torch.float32, None, 128, (8, 2), [1, 1, 1], [5, 700, 1100]),
+    ("bf16-verify-G4", torch.bfloat16, None, 64, (32, 8), [5, 1, 3], [40, 600, 17]),
+    ("f16-e5m2-codes-G8", torch.float16, torch.float8_e5m2, 128, (16, 2), [1, 1, 1], [9, 700, 33]),
+    ("bf16-e4m3-images-verify", torch.bfloat16, torch.float8_e4m3fn, 128, (32, 8), [5, 4, 1],
+     [30, 800, 64]),
+]
+EDGE_IDS = [c[0] for c in EDGE_CASES]
+
+
+def edge_case(gen, row, device="cpu") -> Case:
+    _, dtype, cache_dtype, head_size, (hq, hkv), q_lens, seq_lens = row
+    return Case(gen, seq_lens=seq_lens, q_lens=q_lens, num_heads=hq, num_kv_heads=hkv,
+                head_size=head_size, block_size=16, dtype=dtype, cache_dtype=cache_dtype,
+                per_head_scale=True, device=device)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(a.cpu().contiguous().view(ints), b.cpu().contiguous().view(ints))
+
+
+def seen_slots(case: Case, token: int) -> torch.Tensor:
+    """The cache slots query token `token` attends to."""
+    cu = case.cu_seqlens_q.tolist()
+    seq = next(i for i in range(len(cu) - 1) if cu[i] <= token < cu[i + 1])
+    q_len = cu[seq + 1] - cu[seq]
+    pos = torch.arange(int(case.seq_lens[seq]) - q_len + token - cu[seq] + 1)
+    block_size = case.key_cache.shape[1]
+    return case.block_tables[seq].cpu().long()[pos // block_size] * block_size + pos % block_size
+
+
+def nan_rows_of(gen, case: Case) -> list:
+    """(token, head, dim) for one NaN per chosen query row: a random head of the first token of
+    the longest (split) sequence, and of the last token of the first sequence (a verification
+    row's later tokens stay in its task), at random dimensions."""
+    cu = case.cu_seqlens_q.tolist()
+    longest = int(case.seq_lens.cpu().argmax())
+    heads, dims = case.query.shape[1:]
+    pick = lambda n: int(torch.randint(n, (1,), generator=gen))  # noqa: E731
+    return [(cu[longest], pick(heads), pick(dims)), (cu[1] - 1, pick(heads), pick(dims))]
+
+
+def check_nan_query_rows(case: Case, fn, rows) -> None:
+    """A NaN at (token, head, dim) for each of `rows`: those rows' out and lse are NaN and
+    attn_mass is NaN at every slot they see, in the kernel and in the reference; every other row
+    of out and lse, and every other slot's mass, is bit-identical to the call without the NaN
+    (mass close on CUDA, which adds it with atomics) and matches the reference."""
+    clean_out, clean_lse, clean_mass = case.run(fn, lse=True, mass=True)
+    for token, head, dim in rows:
+        case.query[token, head, dim] = float("nan")
+    out, lse, mass = (t.cpu() for t in case.run(fn, lse=True, mass=True))
+    want_out, want_lse, want_mass = case.expected(lse=True, mass=True)
+    nan_rows = torch.zeros(case.query.shape[:2], dtype=torch.bool)
+    nan_slots = torch.zeros(case.num_slots, dtype=torch.bool)
+    for token, head, _ in rows:
+        nan_rows[token, head] = True
+        nan_slots[seen_slots(case, token)] = True
+    for what, got, want, where in (("out", out, want_out, nan_rows[..., None].expand_as(out)),
+                                   ("lse", lse, want_lse, nan_rows),
+                                   ("attn_mass", mass, want_mass, nan_slots)):
+        assert torch.equal(want.isnan(), where), f"reference {what}: NaN elsewhere"
+        assert torch.equal(got.isnan(), where), f"{what}: NaN pattern differs from the reference's"
+    assert _same_bits(out[~nan_rows], clean_out.cpu()[~nan_rows])
+    assert _same_bits(lse[~nan_rows], clean_lse.cpu()[~nan_rows])
+    if case.device == "cpu":
+        assert _same_bits(mass[~nan_slots], clean_mass[~nan_slots])
+    assert_close(out[~nan_rows], want_out[~nan_rows], case.dtype)
+    torch.testing.assert_close(lse[~nan_rows], want_lse[~nan_rows], rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(mass[~nan_slots], want_mass[~nan_slots], rtol=1e-4, atol=1e-5)
+
+
+def check_matches_reference_nonfinite(case: Case, fn) -> tuple:
+    """out, lse and attn_mass against the reference where some may be NaN or infinite: the same
+    NaN and infinity pattern, finite values within rounding. Returns the reference's outputs."""
+    got = [t.cpu() for t in case.run(fn, lse=True, mass=True)]
+    want = case.expected(lse=True, mass=True)
+    for what, a, b, tol in (("out", got[0].float(), want[0].float(), TOL[case.dtype]),
+                            ("lse", got[1], want[1], 2e-5), ("attn_mass", got[2], want[2], 1e-4)):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol, equal_nan=True,
+                                   msg=lambda m: f"{what}: {m}")  # noqa: B023
+    return want
+
+
+def check_scale_near_float32_limit(case: Case, fn) -> None:
+    """scale 1e30 on unit-size data: logits of about 1e31, finite, so every row's softmax is all
+    but one-hot. attn_mass against the row's final softmax state stays finite and sums to one per
+    row (through an LSE rounded to float32 it was 0 or inf at logits this size)."""
+    case.scale = 1e30
+    _, _, want_mass = check_matches_reference_nonfinite(case, fn)
+    assert torch.isfinite(want_mass).all()
+    num_tokens, num_heads = case.query.shape[:2]
+    assert abs(want_mass.sum().item() - num_tokens * num_heads) < 1e-3
+
+
+def check_overflowing_logits(case: Case, fn) -> None:
+    """scale 1e37 (scale x log2(e) = 1.44e37): a few rows' queries made so that their logits
+    overflow float32 by a wide margin while every product q_i x scale x log2(e) x k_i stays finite
+    (the kernels fold the scale into the query first), the others tiny (logits of about 1e31).
+    A row with a +inf logit is NaN (out, lse, the mass of every slot it sees); a row whose logits
+    are all -inf sees nothing (out 0, lse -inf, no mass); the others are finite, as in the
+    reference. The first sequence must have length 1 and the second at least 6 positions."""
+    assert int(case.seq_lens[0]) == 1 and int(case.seq_lens[1]) >= 6
+    case.scale = 1e37
+    group = case.query.shape[1] // case.key_cache.shape[2]
+    block_size = case.key_cache.shape[1]
+
+    def key(seq, pos):  # [Hkv, D] float32
+        block = case.block_tables[seq, pos // block_size].long()
+        return reference.dequantize_cache(case.key_cache[block, pos % block_size].cpu(), None)
+
+    k0, k5 = key(0, 0), key(1, 5)
+    query = case.query.cpu().float() * 1e-6
+    # q = -2 sign(k): q.k = -2 sum |k_i|, about -100 (every term <= 0): -inf, the row's one logit.
+    query[0, 0] = -2 * k0[0].sign()
+    query[0, group] = 2 * k0[1].sign()  # about +100: +inf
+    # The second sequence's first token sees 5: about 50 there (+inf, 7e38 in the log2 domain),
+    # about N(0, 8) elsewhere (finite).
+    first = int(case.cu_seqlens_q[1])
+    query[first, 0] = k5[0].sign()
+    case.query = query.to(case.dtype).to(case.device)
+    want_out, want_lse, _ = check_matches_reference_nonfinite(case, fn)
+    assert (want_out[0, 0] == 0).all() and want_lse[0, 0] == float("-inf")
+    assert want_out[0, group].isnan().all() and want_lse[0, group].isnan()
+    assert want_out[first, 0].isnan().all() and want_lse[first, 0].isnan()
+    assert torch.isfinite(want_lse[first, 1:]).all() and torch.isfinite(want_lse[first + 1:]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("row", EDGE_CASES, ids=EDGE_IDS)
+def test_nan_query_row_gives_nan_row(gen, device, variant, row):
+    if device == "cuda" and row[1] == torch.float32:
+        pytest.skip("float32 queries are CPU-only")
+    case = edge_case(gen, row, device)
+    check_nan_query_rows(case, VARIANTS[variant], nan_rows_of(gen, case))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("row", EDGE_CASES, ids=EDGE_IDS)
+def test_scale_near_float32_limit(gen, device, variant, row):
+    if device == "cuda" and row[1] == torch.float32:
+        pytest.skip("float32 queries are CPU-only")
+    check_scale_near_float32_limit(edge_case(gen, row, device), VARIANTS[variant])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_overflowing_logits(gen, device, variant, dtype):
+    if device == "cuda" and dtype == torch.float32:
+        pytest.skip("float32 queries are CPU-only")
+    case = Case(gen, seq_lens=[1, 40, 700], q_lens=[1, 2, 3], num_heads=8, num_kv_heads=2,
+                head_size=64, block_size=16, dtype=dtype, device=device)
+    check_overflowing_logits(case, VARIANTS[variant])
+
+
+def test_reference_nan_row_as_sdpa(gen):
+    """The reference's NaN row is SDPA's: a NaN in one query row makes that row NaN, and only it."""
+    case = Case(gen, seq_lens=[45], q_lens=[3], num_heads=4, num_kv_heads=4, head_size=64,
+                block_size=8)
+    case.query[1, 2, 7] = float("nan")
+    out, lse, _ = case.expected(lse=True)
+    pos = torch.arange(45)
+    slots = case.block_tables[0].long()[pos // 8] * 8 + pos % 8
+    k = case.key_cache.view(-1, 4, 64)[slots].transpose(0, 1)
+    v = case.value_cache.view(-1, 4, 64)[slots].transpose(0, 1)
+    visible = pos[None, :] <= (42 + torch.arange(3))[:, None]
+    want = F.scaled_dot_product_attention(case.query.transpose(0, 1), k, v, attn_mask=visible,
+                                          scale=case.scale).transpose(0, 1)
+    assert torch.equal(out.isnan(), want.isnan()) and out[1, 2].isnan().all()
+    assert lse.isnan().sum() == 1 and lse[1, 2].isnan()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("scale", [3e38, 1e300])
+def test_scale_above_float32_range_over_log2e_is_rejected(gen, scale):
+    """scale x log2(e) must be a finite float32: the op, its fake kernel and the reference reject
+    larger scales, naming `scale`."""
+    case = Case(gen, seq_lens=[5], q_lens=[1], num_heads=4, num_kv_heads=2, head_size=64,
+                block_size=8)
+    case.scale = scale
+    with pytest.raises(RuntimeError, match="pagedspec.paged_attention: scale must be at most "
+                                           "2.35866e\\+38 \\(float32 max / log2\\(e\\)"):
+        case.run(ops.paged_attention)
+    meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in case.args()]
+    with pytest.raises(RuntimeError, match="pagedspec.paged_attention: scale must be at most"):
+        torch.ops.pagedspec.paged_attention(torch.empty_like(meta[0]), *meta, None, None)
+    with pytest.raises(ValueError, match="scale"):
+        case.expected()
+    case.scale = reference.MAX_ATTENTION_SCALE  # the largest accepted
+    case.run(ops.paged_attention)

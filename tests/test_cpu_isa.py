@@ -15,7 +15,9 @@ import test_attention
 import test_cache
 import test_fp8
 import test_sampling
-from test_attention import FP8, GRID, VARIANTS, Case, _grid_id, check_case
+from test_attention import (EDGE_CASES, EDGE_IDS, FP8, GRID, VARIANTS, Case, _grid_id,
+                            check_case, check_nan_query_rows, check_overflowing_logits,
+                            check_scale_near_float32_limit, edge_case, nan_rows_of)
 from test_attention_plan import planned
 
 INFO = pagedspec.build_info()
@@ -496,3 +498,32 @@ def test_forcing_an_unknown_or_missing_level_is_an_error(gen, monkeypatch):
         monkeypatch.setenv("PAGEDSPEC_CPU_ISA", missing[0])
         with pytest.raises(RuntimeError, match="lacks its instructions"):
             case.run(ops.paged_attention)
+
+
+# Issue 44's edge semantics at every level this CPU runs (the ids name the level, and the case
+# the path it takes there: the FMA path on native caches, FP8 codes converted in registers, or,
+# at avx2, FP8 tiles read as bf16 images). The kernels decide them in the shared epilogue and
+# split merge, so v1 (one pass) and v2 / the dispatcher (split sequences) both run.
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("row", EDGE_CASES, ids=EDGE_IDS)
+def test_nan_query_row_at_every_level(gen, level, variant, row):
+    """A NaN in a query row: that row NaN (out, lse, the mass of the slots it sees), every other
+    row and slot bit-identical to the call without it, and the reference's result."""
+    case = edge_case(gen, row)
+    check_nan_query_rows(case, VARIANTS[variant], nan_rows_of(gen, case))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("row", EDGE_CASES, ids=EDGE_IDS)
+def test_scale_near_float32_limit_at_every_level(gen, level, variant, row):
+    check_scale_near_float32_limit(edge_case(gen, row), VARIANTS[variant])
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_overflowing_logits_at_every_level(gen, level, variant, dtype):
+    case = Case(gen, seq_lens=[1, 40, 700], q_lens=[1, 2, 3], num_heads=8, num_kv_heads=2,
+                head_size=64, block_size=16, dtype=dtype)
+    check_overflowing_logits(case, VARIANTS[variant])

@@ -966,7 +966,7 @@ def test_fp8_convert_bad_scale(name, value):
     _raises_naming(name, "scale", lambda: _call(name, args))
 
 
-@pytest.mark.parametrize("value", [0.0, -0.125, float("inf"), float("nan")])
+@pytest.mark.parametrize("value", [0.0, -0.125, float("inf"), float("nan"), 3e38, 1e300])
 @pytest.mark.parametrize("name", ATTENTION)
 def test_attention_bad_softmax_scale(name, value):
     args = valid_attention(torch.Generator().manual_seed(0), random.Random(0))
@@ -1004,3 +1004,45 @@ def test_undefined_tensors_named():
     # "Cannot report itemsize of Tensor that doesn't have initialized dtype" (no op, no argument).
     _raises_naming("swap_blocks", "src",
                    lambda: P.swap_blocks(None, None, torch.tensor([[0, 1]])))
+
+
+# Issue 44's edge semantics, found by a fuzzer run with values the mutations above do not make.
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_attention_nan_query_row_is_nan(name):
+    """A NaN in one query row gave that row a finite output (AVX2 clamps NaN weights to 2^-126):
+    now NaN out and lse for that (token, head), NaN mass wherever it looks, as the reference."""
+    for seed in range(4):
+        args = valid_attention(torch.Generator().manual_seed(seed), random.Random(seed))
+        args["lse"], args["attn_mass"] = torch.zeros(3, 4), torch.zeros(6 * 8)
+        args["query"][1, seed % 4, 7 * seed] = float("nan")
+        assert judge(name, args) is None
+        assert args["out"][1, seed % 4].isnan().all() and args["lse"][1, seed % 4].isnan()
+        assert not args["out"][[0, 2]].isnan().any() and args["attn_mass"].isnan().any()
+
+
+@pytest.mark.parametrize("scale", [1e10, 1e20, 1e30, 1e36])
+@pytest.mark.parametrize("name", ATTENTION)
+def test_attention_huge_scale_matches_reference(name, scale):
+    """Logits of 1e11 to 1e37: attn_mass through an LSE rounded to float32 was 0 or inf at the
+    largest weight (and lse inf where the log2-domain logit overflowed); now as the reference."""
+    for seed in range(6):
+        args = valid_attention(torch.Generator().manual_seed(seed), random.Random(seed))
+        args["lse"], args["attn_mass"] = torch.zeros(3, 4), torch.zeros(6 * 8)
+        args["scale"] = scale
+        assert judge(name, args) is None, seed
+        assert torch.isfinite(args["attn_mass"]).all()
+
+
+@pytest.mark.parametrize("alias", ["keys", "increments"])
+def test_cms_update_input_in_sketch_memory(alias):
+    """keys (or increments) as a view of the sketch's memory gave results other than the
+    reference's: now an error naming the argument."""
+    args = valid_cms_update(torch.Generator().manual_seed(0), random.Random(0))
+    flat = args["sketch"].view(-1)
+    if alias == "keys":
+        args["keys"] = flat.view(torch.int64)[:6]
+    else:
+        args["increments"] = flat[10:16]
+    _raises_naming("cms_update", alias, lambda: _call("cms_update", args))
+    assert judge("cms_update", args) is None  # and the sketch is left unwritten

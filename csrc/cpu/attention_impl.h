@@ -790,6 +790,28 @@ inline void scale_row(float* __restrict y, float a, int n) {
   for (int i = 0; i < n; ++i) y[i] *= a;
 }
 
+// Whether a row of D query elements holds a NaN, from the bits (exponent all ones, mantissa not
+// zero), so that it vectorizes the same for every element type and level. The epilogues make such
+// a row's out, lse and attn_mass NaN, whatever a path's inner loops made of its NaN scores.
+template <typename QT>
+inline bool row_has_nan(const QT* row, int D) {
+  if constexpr (sizeof(QT) == 4) {
+    const uint32_t* bits = reinterpret_cast<const uint32_t*>(row);
+    uint32_t worst = 0;
+#pragma omp simd reduction(max : worst)
+    for (int d = 0; d < D; ++d) worst = std::max(worst, bits[d] & 0x7fffffffu);
+    return worst > 0x7f800000u;
+  } else {
+    static_assert(sizeof(QT) == 2, "half, bfloat16 or float queries");
+    constexpr uint16_t kInf = std::is_same_v<QT, c10::Half> ? 0x7c00 : 0x7f80;
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
+    uint16_t worst = 0;
+#pragma omp simd reduction(max : worst)
+    for (int d = 0; d < D; ++d) worst = std::max(worst, uint16_t(bits[d] & 0x7fff));
+    return worst > kInf;
+  }
+}
+
 // One unit of work. Rows are numbered within the sequence as row = j * G + g for query token j
 // and head g of the group, so the rows of one query token are adjacent.
 struct Task {
@@ -877,6 +899,7 @@ class CpuPagedAttention {
     bool fp8_images = false;
     const ImageT* const* v_images = nullptr;
     bool acc_even_odd = false;  // acc rows in load_pair's even/odd order (set_acc_order)
+    float score_factor = 1.0f;  // the FMA path's scores' power of two (fma_score_factor)
 
     explicit Workspace(int D)
         : head_size(D), q(size_t(kMaxRows) * D), acc(size_t(kMaxRows) * D),
@@ -1110,6 +1133,13 @@ class CpuPagedAttention {
   // What q . k is multiplied by to give the log2-domain logit: the softmax scale, log2(e) and
   // the K factor. The FMA path folds it into the loaded queries, the AMX path into its scores.
   float score_scale(int kv_head) const { return p_.scale * kLog2e * k_factor(kv_head); }
+  // ... as the FMA path applies it (split_score_factor): the query's part (K factor included)
+  // and the scores' power of two.
+  ScoreFactor fma_score_factor(int kv_head) const {
+    ScoreFactor f = split_score_factor(p_.scale * kLog2e);
+    f.query *= k_factor(kv_head);
+    return f;
+  }
   float v_factor(int kv_head) const {
     return F == CacheFormat::kNative ? 1.0f : p_.v_scale.at(kv_head) * Reader::kImage;
   }
@@ -1124,7 +1154,9 @@ class CpuPagedAttention {
   // rows itself), else scaled into the log2 domain (and by the K factor).
   void load_queries(const Task& task, Workspace& ws) const {
     const int D = p_.head_size;
-    const float q_scale = score_scale(task.kv_head);
+    const ScoreFactor factor = fma_score_factor(task.kv_head);
+    const float q_scale = factor.query;
+    ws.score_factor = factor.score;
     for (int r = 0; r < task.num_rows; ++r) {
       ws.rows[r] = row_info(task.seq, task.kv_head, task.row_begin + r);
     }
@@ -1249,6 +1281,13 @@ class CpuPagedAttention {
           block(NR, std::integral_constant<int, 1>{}, r0, t, w + t);
         }
       });
+    }
+    // The FMA path's scores times the power of two its queries left out (only for scales above
+    // 2^16 / log2(e): fma_score_factor); the dot path's blocks scaled theirs whole.
+    if (!ws.dot && ws.score_factor != 1.0f) {
+      for (int r = 0; r < R; ++r) {
+        scale_row(ws.w.data() + r * kTile, ws.score_factor, ws.visible[r]);
+      }
     }
   }
 
@@ -1753,18 +1792,57 @@ class CpuPagedAttention {
     }
   }
 
-  // v1 epilogue: out = acc / sum, lse.
+  // v1 epilogue: out = acc / sum, lse; NaN for a row whose softmax is undefined (a NaN in its
+  // query, or a logit that overflowed to +inf: softmax_undefined); 0 and lse -inf for a row whose
+  // state stayed empty (every logit it sees overflowed to -inf: exp2_weights clamps their -inf -
+  // -inf to a tiny weight, which must not reach out).
   void write_final(const Task& task, const Workspace& ws) const {
     const int D = p_.head_size;
     for (int r = 0; r < task.num_rows; ++r) {
       const RowInfo& info = ws.rows[r];
       const SoftmaxState& st = ws.state[r];
-      const float inv = st.sum > 0.0f ? v_factor(task.kv_head) / st.sum : 0.0f;
-      const float* acc = ws.acc.data() + size_t(r) * D;
+      const bool undefined = softmax_undefined(st.max) || row_has_nan(query_row(info), D);
       QT* dst = p_.out + int64_t(info.token) * p_.out_token_stride +
                 int64_t(info.head) * p_.out_head_stride;
+      const int64_t row = int64_t(info.token) * p_.num_heads + info.head;
+      if (undefined) {
+        write_undefined_row(dst, row, st.sum);
+        continue;
+      }
+      if (st.is_empty()) {
+        write_empty_row(dst, row);
+        continue;
+      }
+      const float inv = st.sum > 0.0f ? v_factor(task.kv_head) / st.sum : 0.0f;
+      const float* acc = ws.acc.data() + size_t(r) * D;
       for (int d = 0; d < D; ++d) dst[d] = ScalarConvert<QT>::from_float(acc[d] * inv);
-      if (p_.lse != nullptr) p_.lse[int64_t(info.token) * p_.num_heads + info.head] = st.lse();
+      if (p_.lse != nullptr) p_.lse[row] = st.lse();
+      if (p_.row_state != nullptr) {
+        p_.row_state[2 * row] = st.max;
+        p_.row_state[2 * row + 1] = st.sum;
+      }
+    }
+  }
+
+  // A row that sees no position with a finite weight: out 0, lse -inf, no attn_mass.
+  void write_empty_row(QT* dst, int64_t row) const {
+    const QT zero = ScalarConvert<QT>::from_float(0.0f);
+    for (int d = 0; d < p_.head_size; ++d) dst[d] = zero;
+    if (p_.lse != nullptr) p_.lse[row] = neg_inf();
+    if (p_.row_state != nullptr) {
+      p_.row_state[2 * row] = neg_inf();
+      p_.row_state[2 * row + 1] = 0.0f;
+    }
+  }
+
+  // A row whose softmax is undefined: out and lse NaN, and a NaN max for the attn_mass pass.
+  void write_undefined_row(QT* dst, int64_t row, float sum) const {
+    const QT nan = ScalarConvert<QT>::from_float(quiet_nan());
+    for (int d = 0; d < p_.head_size; ++d) dst[d] = nan;
+    if (p_.lse != nullptr) p_.lse[row] = quiet_nan();
+    if (p_.row_state != nullptr) {
+      p_.row_state[2 * row] = quiet_nan();
+      p_.row_state[2 * row + 1] = sum;
     }
   }
 
@@ -1778,7 +1856,8 @@ class CpuPagedAttention {
       const RowInfo& info = ws.rows[r];
       const int64_t idx =
           (base + int64_t(info.token - first) * parts + task.partition) * p_.num_heads + info.head;
-      p_.part_max[idx] = ws.state[r].max;
+      // NaN marks a NaN query for merge_partitions (an overflowed logit's +inf max marks itself).
+      p_.part_max[idx] = row_has_nan(query_row(info), D) ? quiet_nan() : ws.state[r].max;
       p_.part_sum[idx] = ws.state[r].sum;
       const float* acc = ws.acc.data() + size_t(r) * D;
       float* part = p_.part_acc + idx * D;
@@ -1799,32 +1878,49 @@ class CpuPagedAttention {
     const int64_t row = plan.partial_base(seq) + int64_t(token - first) * plan.parts(seq);
     SoftmaxState st = SoftmaxState::empty();
     std::fill(acc, acc + D, 0.0f);
+    bool undefined = false;  // a partition of an undefined row (write_partial's NaN, or +inf)
     for (int k = 0; k < parts; ++k) {
       const int64_t idx = (row + k) * p_.num_heads + head;
+      undefined |= softmax_undefined(p_.part_max[idx]);
       const SoftmaxMerge m = merge_softmax(st, SoftmaxState{p_.part_max[idx], p_.part_sum[idx]});
       const float* part_acc = p_.part_acc + idx * D;
 #pragma omp simd
       for (int d = 0; d < D; ++d) acc[d] = acc[d] * m.weight_a + part_acc[d] * m.weight_b;
       st = m.state;
     }
-    const float inv = st.sum > 0.0f ? 1.0f / st.sum : 0.0f;
     QT* dst = p_.out + int64_t(token) * p_.out_token_stride + int64_t(head) * p_.out_head_stride;
+    const int64_t out_row = int64_t(token) * p_.num_heads + head;
+    if (undefined) {
+      write_undefined_row(dst, out_row, st.sum);
+      return;
+    }
+    if (st.is_empty()) {
+      write_empty_row(dst, out_row);
+      return;
+    }
+    const float inv = st.sum > 0.0f ? 1.0f / st.sum : 0.0f;
     for (int d = 0; d < D; ++d) dst[d] = ScalarConvert<QT>::from_float(acc[d] * inv);
-    if (p_.lse != nullptr) p_.lse[int64_t(token) * p_.num_heads + head] = st.lse();
+    if (p_.lse != nullptr) p_.lse[out_row] = st.lse();
+    if (p_.row_state != nullptr) {
+      p_.row_state[2 * out_row] = st.max;
+      p_.row_state[2 * out_row + 1] = st.sum;
+    }
   }
 
   // attn_mass: adds, for every visible position, the sum over all heads and query tokens of
-  // exp2(s - lse_log2), the final probability, with s recomputed exactly as attend_tile() does.
+  // exp2(s - max) / sum, the final probability against the row's final state (row_state), with s
+  // recomputed exactly as attend_tile() does (so the largest weight is exactly 1 / sum, whatever
+  // the logits' magnitude); NaN at every position a row whose softmax is undefined sees.
   // Tasks are (sequence, kMassTile positions) and loop over every KV head and row, so one
   // sequence's mass for a slot is summed inside one task and added once: distinct slots never
   // race, and the add is atomic only because two sequences may share a block (prefix sharing).
-  void mass_pass(const float* lse, const std::vector<Task>& mass_tasks) const {
+  void mass_pass(const float* row_state, const std::vector<Task>& mass_tasks) const {
     const int G = p_.group_size();
     at::parallel_for(0, int64_t(mass_tasks.size()), 1, [&](int64_t begin, int64_t end) {
       Workspace ws(p_.head_size);
       TilePrefetch pf;
       std::vector<float> mass(kMassTile);
-      std::vector<float> lse2(kMaxRows);
+      std::vector<float> row_max(kMaxRows), row_inv(kMaxRows);
       for (int64_t i = begin; i < end; ++i) {
         const Task& span = mass_tasks[i];
         const int q_len = p_.cu_seqlens_q[span.seq + 1] - p_.cu_seqlens_q[span.seq];
@@ -1839,7 +1935,12 @@ class CpuPagedAttention {
             set_dot(ws, bf16_dot_, task.num_rows);
             load_queries(task, ws);
             for (int r = 0; r < task.num_rows; ++r) {
-              lse2[r] = lse[int64_t(ws.rows[r].token) * p_.num_heads + ws.rows[r].head] * kLog2e;
+              const int64_t row = int64_t(ws.rows[r].token) * p_.num_heads + ws.rows[r].head;
+              const float max = row_state[2 * row], sum = row_state[2 * row + 1];
+              // An undefined row: NaN at every position (0 x NaN at a -inf score too).
+              const bool undefined = softmax_undefined(max);
+              row_max[r] = undefined ? 0.0f : max;
+              row_inv[r] = undefined ? quiet_nan() : (sum > 0.0f ? 1.0f / sum : 0.0f);
             }
             const int pos_end = task_pos_end(task);
             for (int start = span.pos_begin; start < pos_end; start += kTile) {
@@ -1854,7 +1955,9 @@ class CpuPagedAttention {
               for (int r = 0; r < task.num_rows; ++r) {
                 const float* w = ws.w.data() + r * kTile;
                 float* m = mass.data() + (start - span.pos_begin);
-                for (int t = 0; t < ws.visible[r]; ++t) m[t] += softmax_exp2(w[t] - lse2[r]);
+                for (int t = 0; t < ws.visible[r]; ++t) {
+                  m[t] += softmax_weight(w[t], row_max[r]) * row_inv[r];
+                }
               }
             }
           }
@@ -1913,11 +2016,11 @@ void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, con
   p.part_max = workspace == nullptr ? nullptr : workspace + R * p.num_heads * p.head_size;
   p.part_sum = workspace == nullptr ? nullptr : p.part_max + R * p.num_heads;
 
-  // attn_mass needs the final LSE: the caller's buffer, or a scratch one.
-  at::Tensor lse_scratch;
-  if (p.attn_mass != nullptr && p.lse == nullptr) {
-    lse_scratch = at::empty({args.num_tokens, args.num_heads}, query.options().dtype(at::kFloat));
-    p.lse = lse_scratch.data_ptr<float>();
+  // attn_mass needs each row's final softmax state.
+  at::Tensor row_state;
+  if (p.attn_mass != nullptr) {
+    row_state = at::empty({args.num_tokens, args.num_heads, 2}, query.options().dtype(at::kFloat));
+    p.row_state = row_state.data_ptr<float>();
   }
 
   const std::vector<Task> tasks = plan_tasks(p, plan);
@@ -1974,7 +2077,7 @@ void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, con
             Task{seq, 0, 0, 0, 0, pos, std::min(p.seq_lens[seq], pos + kMassTile), 0});
       }
     }
-    kernel.mass_pass(p.lse, mass_tasks);
+    kernel.mass_pass(p.row_state, mass_tasks);
   }
 }
 

@@ -20,8 +20,12 @@
 // What a row may not see never enters its softmax or accumulator (selected, not multiplied by a
 // zero weight), so inf/NaN in a later draft token's K/V cannot reach an earlier token.
 //
-// attn_mass: attn_mass_kernel, after the final LSE is known, recomputes the scores and atomically
-// adds each position's probability (summed over the CTA's rows) to its slot.
+// attn_mass: attn_mass_kernel, after each row's final softmax state is known, recomputes the scores
+// and atomically adds each position's probability (summed over the CTA's rows) to its slot.
+//
+// A row whose softmax is undefined (a NaN in its query, or a logit that overflows to +inf in the
+// log2 domain) gets NaN out, lse and attn_mass, decided in the epilogue and the merge from the
+// query and the running max, not by what NaN scores do in the loop (contract extension).
 //
 // FP8: codes are converted to float exactly (hardware e4m3/e5m2 -> f16x2, then f16 -> f32; every
 // FP8 value is representable in f16, so this equals fp8_to_float in include/pagedspec/fp8.h) and
@@ -207,6 +211,20 @@ __device__ __forceinline__ void load_queries(const PagedAttentionParams<QT, Cach
   }
 }
 
+// Bit r set for each of the CTA's rows whose query holds a NaN (scaling by a finite q_scale keeps
+// NaN NaN and makes nothing else NaN), the same in every lane: each warp's lanes hold every slice.
+// The epilogue makes those rows' out and lse NaN whatever their NaN scores did to the softmax.
+template <int kRows, int kElems>
+__device__ __forceinline__ unsigned nan_query_rows(const float (&q)[kRows][kElems]) {
+  unsigned bits = 0;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) bits |= isnan(q[r][e]) ? 1u << r : 0u;
+  }
+  return __reduce_or_sync(kFullMask, bits);
+}
+
 // One step's K (and V) rows: this lane's 16-byte slices of positions pos[u]; positions at or
 // past ctx_end are never loaded (unused slots stay unread).
 template <typename L, typename QT, typename CacheT>
@@ -262,6 +280,16 @@ __device__ __forceinline__ void score(const uint4 (&kraw)[L::kUnroll][L::kLoads]
   }
 }
 
+// s *= factor: the scores' power of two from split_score_factor, for scales above 2^16.
+template <typename L>
+__device__ __forceinline__ void scale_scores(float (&s)[L::kUnroll][L::kRows], float factor) {
+#pragma unroll
+  for (int u = 0; u < L::kUnroll; ++u) {
+#pragma unroll
+    for (int r = 0; r < L::kRows; ++r) s[u][r] *= factor;
+  }
+}
+
 // Two resident CTAs per SM (8 warps) is what the ~210-250 registers allow; with 2 positions x 2
 // (K, V) x 32 bytes per lane that keeps 32 KB of loads in flight per SM.
 constexpr int kMinCtasPerSm = 2;
@@ -313,8 +341,11 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
 
   int limit[kRows];
   float q[kRows][kElems];
-  load_queries(p, w, p.scale * kLog2e * (kFp8 ? p.k_scale.at(w.kv_head) : 1.0f), slice, active,
-               q, limit);
+  // The log2-domain factor, its power of two applied to the scores above 2^16 (split_score_factor).
+  const ScoreFactor factor = split_score_factor(p.scale * kLog2e);
+  load_queries(p, w, factor.query * (kFp8 ? p.k_scale.at(w.kv_head) : 1.0f), slice, active, q,
+               limit);
+  const unsigned nan_rows = nan_query_rows(q);
 
   SoftmaxState state[kRows];
   float acc[kRows][kElems];
@@ -332,6 +363,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     load_kv<L>(p, w, base, group, slice, active, /*with_values=*/true, pos, kraw, vraw);
     float s[kUnroll][kRows];
     score<L, CacheT, F>(kraw, q, s);
+    if (factor.score != 1.0f) scale_scores<L>(s, factor.score);  // uniform across the CTA
 
     // Online softmax, one state per row per lane group, over the positions each row sees.
     bool seen[kUnroll][kRows];
@@ -420,12 +452,18 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       merged = m.state;
     }
     const RowPlace place = place_row(w, r, G);
+    const bool nan_query = (nan_rows >> r) & 1u;
     if (!w.split) {
+      // A row whose softmax is undefined (a NaN query, or an overflowed logit's +inf max): NaN.
+      const bool undefined = nan_query || softmax_undefined(merged.max);
       const float inv = merged.sum > 0.0f ? v_scale / merged.sum : 0.0f;
       p.out[int64_t(place.token) * p.out_token_stride + int64_t(place.head) * p.out_head_stride +
-            d] = ScalarConvert<QT>::from_float(a * inv);
-      if (d == 0 && p.lse != nullptr) {
-        p.lse[int64_t(place.token) * p.num_heads + place.head] = merged.lse();
+            d] = ScalarConvert<QT>::from_float(undefined ? quiet_nan() : a * inv);
+      const int64_t out_row = int64_t(place.token) * p.num_heads + place.head;
+      if (d == 0 && p.lse != nullptr) p.lse[out_row] = undefined ? quiet_nan() : merged.lse();
+      if (d == 0 && p.row_state != nullptr) {
+        p.row_state[2 * out_row] = undefined ? quiet_nan() : merged.max;
+        p.row_state[2 * out_row + 1] = merged.sum;
       }
     } else {
       const int64_t row = w.partial_row + int64_t((w.row0 + r) / G - w.row0 / G) * w.parts;
@@ -433,16 +471,20 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
       const int64_t slot = row * p.num_heads + place.head;
       p.part_acc[slot * D + d] = a * v_scale;
       if (d == 0) {
-        p.part_max[slot] = merged.max;
+        // NaN marks a NaN query for the merge (an overflowed logit's +inf max marks itself).
+        p.part_max[slot] = nan_query ? quiet_nan() : merged.max;
         p.part_sum[slot] = merged.sum;
       }
     }
   }
 }
 
-// attn_mass: after the final LSE is known (p.mass_lse), adds each visible position's probability
-// exp2(s - lse2), summed over the CTA's rows, to its slot. Same work items as the attention pass
-// (K only); partitioned whatever the variant, since there is no reduction to pay for.
+// attn_mass: after each row's final softmax state is known (p.row_state), adds each visible
+// position's probability exp2(s - max) / sum, summed over the CTA's rows, to its slot; s is
+// recomputed exactly as the attention pass computed it, so the largest weight is exactly 1 / sum
+// whatever the logits' magnitude. A row whose softmax is undefined adds NaN everywhere it sees.
+// Same work items as the attention pass (K only); partitioned whatever the variant, since there
+// is no reduction to pay for.
 template <typename QT, typename CacheT, CacheFormat F, int D>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     attn_mass_kernel(const PagedAttentionParams<QT, CacheT> p) {
@@ -461,15 +503,21 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
 
   int limit[kRows];
   float q[kRows][L::kElems];
-  load_queries(p, w, p.scale * kLog2e * (kFp8 ? p.k_scale.at(w.kv_head) : 1.0f), slice, active,
-               q, limit);
-  float lse2[kRows];  // final LSE in the log2 domain
+  // The log2-domain factor, its power of two applied to the scores above 2^16 (split_score_factor).
+  const ScoreFactor factor = split_score_factor(p.scale * kLog2e);
+  load_queries(p, w, factor.query * (kFp8 ? p.k_scale.at(w.kv_head) : 1.0f), slice, active, q,
+               limit);
+  float row_max[kRows], row_inv[kRows];  // final max (0 for an undefined row) and 1 / sum
   const int G = p.group_size();
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     const RowPlace place = place_row(w, r, G);
-    lse2[r] = r < w.num_rows ? p.mass_lse[int64_t(place.token) * p.num_heads + place.head] * kLog2e
-                             : neg_inf();
+    const int64_t out_row = int64_t(place.token) * p.num_heads + place.head;
+    const float max = r < w.num_rows ? p.row_state[2 * out_row] : neg_inf();
+    const float sum = r < w.num_rows ? p.row_state[2 * out_row + 1] : 0.0f;
+    const bool undefined = softmax_undefined(max);
+    row_max[r] = undefined ? 0.0f : max;
+    row_inv[r] = undefined ? quiet_nan() : (sum > 0.0f ? 1.0f / sum : 0.0f);
   }
 
   for (int base = w.ctx_begin + warp * L::kStep; base < w.ctx_end; base += kWarps * L::kStep) {
@@ -478,16 +526,17 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm)
     load_kv<L>(p, w, base, group, slice, active, /*with_values=*/false, pos, kraw, vraw);
     float s[kUnroll][kRows];
     score<L, CacheT, F>(kraw, q, s);
+    if (factor.score != 1.0f) scale_scores<L>(s, factor.score);  // uniform across the CTA
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       float mass = 0.0f;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        if (pos[u] < w.ctx_end && pos[u] <= limit[r] && lse2[r] > neg_inf()) {
-          mass += softmax_exp2(s[u][r] - lse2[r]);
+        if (pos[u] < w.ctx_end && pos[u] <= limit[r]) {
+          mass += softmax_weight(s[u][r], row_max[r]) * row_inv[r];
         }
       }
-      if (slice == 0 && pos[u] < w.ctx_end && mass > 0.0f) {
+      if (slice == 0 && pos[u] < w.ctx_end && mass != 0.0f) {  // NaN is added too
         atomicAdd(p.attn_mass + p.slot(w.seq, pos[u]), mass);
       }
     }
@@ -532,19 +581,26 @@ __global__ void __launch_bounds__(kReduceThreads)
   const int limit = causal_limit(seq_len, q_len, token - q_begin);
   const int n = limit < 0 ? 0 : int(min(int64_t(min(limit / partition_size + 1, parts)),
                                         max(int64_t(0), p.partial_rows - row)));
+  const int64_t out_row = int64_t(token) * p.num_heads + head;
   for (int d = threadIdx.x; d < p.head_size; d += blockDim.x) {
     SoftmaxState merged = SoftmaxState::empty();
     float a = 0.0f;
+    bool undefined = false;  // a partition of an undefined row (a NaN query's NaN, or +inf)
     for (int k = 0; k < n; ++k) {
       const int64_t slot = (row + k) * p.num_heads + head;
+      undefined |= softmax_undefined(p.part_max[slot]);
       const SoftmaxMerge m = merge_softmax(merged, SoftmaxState{p.part_max[slot], p.part_sum[slot]});
       a = a * m.weight_a + p.part_acc[slot * p.head_size + d] * m.weight_b;
       merged = m.state;
     }
     const float inv = merged.sum > 0.0f ? 1.0f / merged.sum : 0.0f;
     p.out[int64_t(token) * p.out_token_stride + int64_t(head) * p.out_head_stride + d] =
-        ScalarConvert<QT>::from_float(a * inv);
-    if (d == 0 && p.lse != nullptr) p.lse[int64_t(token) * p.num_heads + head] = merged.lse();
+        ScalarConvert<QT>::from_float(undefined ? quiet_nan() : a * inv);
+    if (d == 0 && p.lse != nullptr) p.lse[out_row] = undefined ? quiet_nan() : merged.lse();
+    if (d == 0 && p.row_state != nullptr) {
+      p.row_state[2 * out_row] = undefined ? quiet_nan() : merged.max;
+      p.row_state[2 * out_row + 1] = merged.sum;
+    }
   }
 }
 
@@ -586,6 +642,7 @@ struct AttentionLaunch {
     r.part_acc = p.part_acc;
     r.part_max = p.part_max;
     r.part_sum = p.part_sum;
+    r.row_state = p.row_state;
     r.plan = p.plan;
     r.partial_rows = p.partial_rows;
     r.seq_lens = p.seq_lens;
@@ -604,24 +661,25 @@ struct AttentionLaunch {
 
   void mass(PagedAttentionParams<QT, CacheT> p, float* attn_mass, dim3 grid) const {
     p.attn_mass = attn_mass;
-    p.mass_lse = p.lse;
     attn_mass_kernel<QT, CacheT, F, D><<<grid, kThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 };
 
-// attn_mass needs the final LSE: the caller's buffer, or scratch. Returns the caller's attn_mass
-// (taken out of p, so the attention pass does not see it).
+// attn_mass needs each row's final softmax state, which the attention pass (and the merge)
+// write into scratch [T, Hq, 2]. Returns the caller's attn_mass (taken out of p, so the
+// attention pass does not see it).
 template <typename QT, typename CacheT>
 float* prepare_mass(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args,
-                    const at::Tensor& query, at::Tensor& lse_scratch) {
-  if (p.attn_mass != nullptr && p.lse == nullptr) {
-    lse_scratch = at::empty({args.num_tokens, args.num_heads}, query.options().dtype(at::kFloat));
-    p.lse = lse_scratch.data_ptr<float>();
+                    const at::Tensor& query, at::Tensor& row_state) {
+  p.row_state = nullptr;
+  if (p.attn_mass != nullptr) {
+    row_state =
+        at::empty({args.num_tokens, args.num_heads, 2}, query.options().dtype(at::kFloat));
+    p.row_state = row_state.data_ptr<float>();
   }
   float* attn_mass = p.attn_mass;
   p.attn_mass = nullptr;
-  p.mass_lse = nullptr;
   return attn_mass;
 }
 
@@ -658,8 +716,8 @@ void launch_grid(PagedAttentionParams<QT, CacheT> p, const AttentionArgs& args, 
   TORCH_CHECK(args.num_seqs * int64_t(p.row_chunks) < (int64_t(1) << 31), "pagedspec.", op,
               ": too many sequences x row chunks for one launch");
 
-  at::Tensor lse_scratch, workspace;
-  float* attn_mass = prepare_mass(p, args, query, lse_scratch);
+  at::Tensor row_state, workspace;
+  float* attn_mass = prepare_mass(p, args, query, row_state);
   const unsigned x = static_cast<unsigned>(args.num_seqs * p.row_chunks);
   const dim3 partitioned(x, static_cast<unsigned>(args.num_kv_heads * P));
   if (variant == Variant::kV1) {
@@ -705,8 +763,8 @@ void launch_plan(PagedAttentionParams<QT, CacheT> p, const AttentionArgs& args,
     p.part_max = p.part_acc + workspace_rows * args.num_heads * D;
     p.part_sum = p.part_max + workspace_rows * args.num_heads;
   }
-  at::Tensor lse_scratch;
-  float* attn_mass = prepare_mass(p, args, query, lse_scratch);
+  at::Tensor row_state;
+  float* attn_mass = prepare_mass(p, args, query, row_state);
   const dim3 grid(static_cast<unsigned>(std::max<int64_t>(capacity, 1)),
                   static_cast<unsigned>(args.num_kv_heads));
   launch.attend(p, grid);

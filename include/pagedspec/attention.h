@@ -45,6 +45,48 @@ PS_HOST_DEVICE float neg_inf() {
 #endif
 }
 
+PS_HOST_DEVICE float pos_inf() {
+#if defined(__CUDA_ARCH__)
+  return __int_as_float(0x7f800000);
+#else
+  return INFINITY;
+#endif
+}
+
+PS_HOST_DEVICE float quiet_nan() {
+#if defined(__CUDA_ARCH__)
+  return __int_as_float(0x7fc00000);
+#else
+  return NAN;
+#endif
+}
+
+// Whether a row's softmax is undefined, from its running (or partial) max: NaN, which the
+// epilogues store for a row whose query holds a NaN, or +inf, a log2-domain logit that overflowed.
+// Such a row's out, lse and attn_mass are NaN (CONTRACT.md, paged_attention's extensions), on
+// every path: the paths' inner loops need not agree on what NaN or inf scores do to a state,
+// since the epilogues and merges decide from this and from the query alone.
+PS_HOST_DEVICE bool softmax_undefined(float max) { return !(max < pos_inf()); }
+
+// How the kernels that fold the log2-domain factor scale x log2(e) into the query before the dot
+// product (CPU's FMA path, CUDA) apply it: up to 2^16 (every real model's scale) all of it to the
+// query, as always; above, only its mantissa (in [0.5, 1)), the power of two going to the scores
+// after the dot product, exactly. So a query element times the factor cannot overflow where the
+// logit does not, and a logit overflows (CONTRACT.md, undefined rows) where q.k x scale x log2(e)
+// does, as in the reference. The K scale of an FP8 cache multiplies `query` afterwards.
+struct ScoreFactor {
+  float query;  // multiplies the query (then times the K scale)
+  float score;  // multiplies each q.k: 1, or a power of two
+};
+
+PS_HOST_DEVICE ScoreFactor split_score_factor(float scale_log2e) {
+  if (!(scale_log2e > 65536.0f)) return ScoreFactor{scale_log2e, 1.0f};
+  int e = 0;
+  const float mantissa = frexpf(scale_log2e, &e);  // scale_log2e = mantissa x 2^e, e <= 128
+  if (e > 127) return ScoreFactor{mantissa * 2.0f, ldexpf(1.0f, 127)};
+  return ScoreFactor{mantissa, ldexpf(1.0f, e)};
+}
+
 // Weight of a log2-domain logit `s` against the running max `max`: exp2(s - max), and exactly 0
 // for a masked logit (s == -inf), even when max is -inf too.
 PS_HOST_DEVICE float softmax_weight(float s, float max) {
@@ -130,7 +172,8 @@ struct PagedAttentionParams {
   // partial row a (query token, partition) has. acc is the unnormalized sum of exp2(s - max) * v
   // over the partition's positions (v scale applied). Null when nothing is split.
   float* part_acc;  // [R, Hq, D]
-  float* part_max;  // [R, Hq]; SoftmaxState::max (log2 domain), -inf for an empty partition
+  float* part_max;  // [R, Hq]; SoftmaxState::max (log2 domain), -inf for an empty partition,
+                    // NaN for a row whose softmax is undefined (softmax_undefined)
   float* part_sum;  // [R, Hq]; SoftmaxState::sum
   const int32_t* plan;  // the step's plan (attention_plan.h), or null for the CUDA grid launches
   int64_t partial_rows; // R: rows the workspace holds (reads and writes stay below it)
@@ -154,7 +197,11 @@ struct PagedAttentionParams {
   int max_partitions;         // P: grid launches' partitions per token (v2), else 1
   int partition_size;         // grid launches: kPartitionSize (v2), M * BS (v1)
   int row_chunks;             // CUDA: CTAs per (sequence, KV head, partition), covering its rows
-  const float* mass_lse;      // [T, Hq] final natural-log LSE: set only for the attn_mass pass
+  // [T, Hq, 2]: each row's final (max, sum) state, written by the attention epilogues and read
+  // by the attn_mass pass (probability exp2(s - max) / sum, as the softmax itself weighs it: an
+  // LSE rounded to float32 would put an error of |lse| x 2^-24 into the exponent), or null when
+  // attn_mass is not asked. max is NaN for a row whose softmax is undefined.
+  float* row_state;
 
   PS_HOST_DEVICE int group_size() const { return num_heads / num_kv_heads; }
   PS_HOST_DEVICE int64_t cache_token_stride() const { return int64_t(num_kv_heads) * head_size; }
@@ -184,6 +231,7 @@ struct PartitionReduceParams {
   const float* part_acc;    // [R, Hq, D] unnormalized partial outputs (v scale applied)
   const float* part_max;    // [R, Hq] partial SoftmaxState::max (log2 domain)
   const float* part_sum;    // [R, Hq] partial SoftmaxState::sum
+  float* row_state;         // [T, Hq, 2] merged (max, sum) for the attn_mass pass, or null
   const int32_t* plan;      // the plan (attention_plan.h), or null for the v2 grid (row of
                             // token t, partition k: t * P + k)
   int64_t partial_rows;     // R: rows of the workspace (reads stay below it)

@@ -21,6 +21,7 @@ from torch.library import register_fake
 
 from pagedspec import _C
 from pagedspec.ops import OP_NAMES
+from pagedspec.reference import MAX_ATTENTION_SCALE
 
 _DTYPE_NAMES = {  # the names the C++ messages print (c10::ScalarType)
     torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float",
@@ -296,6 +297,9 @@ def _attention_fake(op, out, query, key_cache, value_cache, block_tables, seq_le
            lambda: f"num_tokens x num_heads must fit in int32, got {num_tokens} x {num_heads}")
     _check(math.isfinite(scale) and scale > 0, op,
            lambda: f"scale must be finite and > 0, got {scale}")
+    _check(scale <= MAX_ATTENTION_SCALE, op,
+           lambda: f"scale must be at most {MAX_ATTENTION_SCALE:g} (float32 max / log2(e): logits "
+           f"are scaled by scale x log2(e) in float32), got {scale}")
     if lse is not None:
         _dtype(op, "lse", lse, (torch.float32,))
         _exact_shape(op, "lse", lse, (num_tokens, num_heads))

@@ -6,6 +6,7 @@ write into buffers do so here too.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -135,6 +136,37 @@ def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tenso
 # ----------------------------------------------------------------------------------------------
 # Paged attention
 
+LOG2E = 1.4426950408889634
+# The largest softmax scale: float32 max / log2(e). The kernels scale logits by scale x log2(e) in
+# float32 (the log2 domain of their softmax), which must be a finite float32.
+MAX_ATTENTION_SCALE = torch.finfo(torch.float32).max / LOG2E
+
+
+def _attention_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Softmax attention of query rows ``q`` [Hq, D] over keys and values [S, Hq, D] (float32):
+    (out [Hq, D], lse [Hq], probs [Hq, S]).
+
+    A row whose softmax is undefined gets NaN out, lse and probabilities: a NaN in its query, or
+    a logit that overflows to +inf in the log2 domain the kernels compute in (scale x log2(e) x
+    q.k in float32, so |scale x q.k| above about 2.36e38). A logit that overflows to -inf there
+    weighs 0, and a row all of whose logits do is a row that sees nothing: out 0, lse -inf,
+    probabilities 0.
+    """
+    logits = torch.einsum("hd,shd->hs", q, k) * scale  # [Hq, S]
+    log2_logits = logits * LOG2E  # float32, so it overflows where the kernels' logits do
+    undefined = q.isnan().any(dim=-1) | (log2_logits == float("inf")).any(dim=-1)
+    empty = (log2_logits == float("-inf")).all(dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    probs = torch.where(empty[:, None], 0.0, probs)
+    probs = torch.where(undefined[:, None], float("nan"), probs)
+    out = torch.einsum("hs,shd->hd", probs, v)
+    out = torch.where(empty[:, None], 0.0, out)
+    out = torch.where(undefined[:, None], float("nan"), out)
+    lse = torch.logsumexp(logits, dim=-1)
+    lse = torch.where(empty, float("-inf"), lse)
+    lse = torch.where(undefined, float("nan"), lse)
+    return out, lse, probs
+
 
 def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
@@ -150,9 +182,15 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
     Each token is computed over exactly the positions it sees (a slice, not a mask), so nothing it
     cannot see, not even inf or NaN in a later draft token's K/V, enters its output, lse or mass.
     Writes ``out`` (query's dtype), ``lse`` (natural log, float32 [T, Hq]) and adds the attention
-    probability per slot, summed over heads and query tokens, into ``attn_mass``. ``max_q_len`` is
+    probability per slot, summed over heads and query tokens, into ``attn_mass``. A (token, head)
+    row with a NaN in its query, or a logit that overflows float32 in the log2 domain, gets NaN
+    out and lse and adds NaN to every slot it sees (see ``_attention_rows``). ``scale`` must be
+    finite, > 0 and at most ``MAX_ATTENTION_SCALE`` (ValueError). ``max_q_len`` is
     only a bound; the lengths come from ``cu_seqlens_q``.
     """
+    if not (math.isfinite(scale) and 0 < scale <= MAX_ATTENTION_SCALE):
+        raise ValueError(f"paged_attention: scale must be finite, > 0 and at most "
+                         f"{MAX_ATTENTION_SCALE:g} (float32 max / log2(e)), got {scale}")
     num_heads = query.shape[1]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -173,11 +211,10 @@ def paged_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Ten
         for j in range(q_len):
             seen = seq_len - q_len + j + 1  # positions 0 .. seen - 1
             q = query[first + j].float()  # [Hq, D]
-            logits = torch.einsum("hd,shd->hs", q, k[:seen]) * scale  # [Hq, seen]
-            probs = torch.softmax(logits, dim=-1)
-            out[first + j] = torch.einsum("hs,shd->hd", probs, v[:seen]).to(out.dtype)
+            row_out, row_lse, probs = _attention_rows(q, k[:seen], v[:seen], scale)
+            out[first + j] = row_out.to(out.dtype)
             if lse is not None:
-                lse[first + j] = torch.logsumexp(logits, dim=-1)
+                lse[first + j] = row_lse
             if attn_mass is not None:
                 attn_mass.index_add_(0, slots[:seen], probs.sum(dim=0))
 
