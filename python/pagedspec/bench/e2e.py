@@ -58,7 +58,6 @@ import dataclasses
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -802,6 +801,14 @@ def plot(report: Report, path: Path, title: str) -> Optional[Path]:
     return path
 
 
+def run_options(args: argparse.Namespace) -> dict:
+    """:func:`run`'s keyword arguments from the options :func:`add_arguments` added."""
+    return dict(model=args.model, vllm=args.vllm_results,
+                dtypes=[d for d in args.dtype.split(",") if d],
+                vllm_python_path=args.vllm_python, threads=args.threads,
+                workload_names=args.workload.split(",") if args.workload else None)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """This section's options, shared by ``pagedspec.bench`` and ``pagedspec.bench.e2e``."""
     parser.add_argument("--model", default=None,
@@ -811,6 +818,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-results", type=load_vllm_results, default=None, metavar="FILE",
                         help='vLLM-CPU figures {"batch1_tok_s": .., "batch32_tok_s": ..} '
                              "measured elsewhere, reported when vLLM does not run here")
+    parser.add_argument("--dtype", default=",".join(DTYPES),
+                        help=f"end to end: comma-separated dtypes (default {','.join(DTYPES)})")
+    parser.add_argument("--threads", type=int, default=THREADS,
+                        help=f"end to end: threads of every engine (default {THREADS})")
+    parser.add_argument("--vllm-python", default=None,
+                        help=f"vLLM's interpreter (default {VLLM_PYTHON} when it exists; 'none' "
+                             "skips vLLM)")
+    parser.add_argument("--workload", default=None,
+                        help="end to end: comma-separated workloads to run (default: all)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -820,15 +836,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="a tiny random model (unless --model) and few tokens: a smoke test, "
                              "not a measurement")
-    parser.add_argument("--dtype", default=",".join(DTYPES),
-                        help=f"comma-separated dtypes (default {','.join(DTYPES)})")
-    parser.add_argument("--threads", type=int, default=THREADS,
-                        help=f"threads of every engine (default {THREADS})")
-    parser.add_argument("--vllm-python", default=None,
-                        help=f"vLLM's interpreter (default {VLLM_PYTHON} when it exists; 'none' "
-                             "skips vLLM)")
-    parser.add_argument("--workload", default=None,
-                        help="comma-separated workloads to run (default: all)")
     parser.add_argument("--out", type=Path, default=None, help="output folder")
     add_arguments(parser)
     args = parser.parse_args(argv)
@@ -836,10 +843,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--threads must be at least 1, got {args.threads}")
 
     device = resolve_device(args.device)
-    report = run(device, model=args.model, quick=args.quick, vllm=args.vllm_results,
-                 dtypes=[d for d in args.dtype.split(",") if d],
-                 vllm_python_path=args.vllm_python, threads=args.threads,
-                 workload_names=args.workload.split(",") if args.workload else None)
+    report = run(device, quick=args.quick, **run_options(args))
     info = {**device_info(device), **cpu_isa()}
     out_dir = args.out or default_out_dir(device)
     out_dir.mkdir(parents=True, exist_ok=True)

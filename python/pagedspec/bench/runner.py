@@ -151,7 +151,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 progress.set_postfix_str(case.name[:60])
             rows.append(run_case(case, device, copy_bw, not args.no_reference, args.budget))
         tables.append(markdown_table(rows, copy_bw, info))
-    report = (e2e.run(device, model=args.model, quick=args.quick, vllm=args.vllm_results)
+    report = (e2e.run(device, quick=args.quick, **e2e.run_options(args))
               if with_e2e else None)
     pair = e2e_spec.resolve_pair(args.model, args.draft_model) if with_e2e else None
     spec_report = e2e_spec.run(device, *pair, quick=args.quick) if pair is not None else None
