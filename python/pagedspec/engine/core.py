@@ -148,6 +148,9 @@ class EngineCore:
             raise ValueError(f"EngineConfig.max_num_seqs must be an int >= 1, got "
                              f"{max_num_seqs!r}")
         self.max_model_len = max_model_len
+        # The core computes on token ids; the tokenizer is loaded here once, for the engine's
+        # input and output processing and for checking a draft's vocabulary against it.
+        self.tokenizer = None if config.skip_tokenizer_init else self.checkpoint.load_tokenizer()
         draft_ckpt = self._draft_checkpoint(config)
         self.model = self.checkpoint.load_model(self.dtype, self.device)
 
@@ -226,9 +229,8 @@ class EngineCore:
             raise ValueError(f"EngineConfig.speculative_model: {draft.path} covers "
                              f"{draft.config.max_position} positions, fewer than max_model_len "
                              f"({self.max_model_len}); lower max_model_len")
-        if not config.skip_tokenizer_init and draft.tokenizer_path is not None \
-                and self.checkpoint.tokenizer_path is not None:
-            if draft.load_tokenizer().get_vocab() != self.checkpoint.load_tokenizer().get_vocab():
+        if self.tokenizer is not None and draft.tokenizer_path is not None:
+            if draft.load_tokenizer().get_vocab() != self.tokenizer.get_vocab():
                 raise ValueError(f"EngineConfig.speculative_model: the tokenizer of {draft.path} "
                                  f"differs from the target's ({self.checkpoint.path}); a draft "
                                  "must share the target's tokenizer")

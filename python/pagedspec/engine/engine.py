@@ -43,7 +43,7 @@ class Engine:
         self.config = config
         self.core = EngineCore(config)
         self.checkpoint = self.core.checkpoint
-        self.tokenizer = None if config.skip_tokenizer_init else self.checkpoint.load_tokenizer()
+        self.tokenizer = self.core.tokenizer
         self.max_model_len = self.core.max_model_len
         self.vocab_size = self.core.model.vocab_size
         self.eos_token_ids = self.checkpoint.generation.eos_token_ids
@@ -69,10 +69,7 @@ class Engine:
                      "the request's kv_budget" if index is None else f"request {index}'s "
                      "kv_budget")
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (this engine was made with "
-                                 "skip_tokenizer_init=True); pass token ids")
-            text, ids = prompt, self.tokenizer.encode(prompt).ids
+            text, ids = prompt, self.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             text, ids = None, list(prompt)
             V = self.vocab_size
@@ -97,6 +94,14 @@ class Engine:
                              f"{bm.block_size}); raise kv_cache_memory or num_kv_blocks")
         arrival = time.monotonic() if arrival_time is None else arrival_time
         return CoreRequest(request_id, ids, params, policy, arrival, number=-1), text
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids the engine computes for a text prompt (with the tokenizer's special
+        tokens, e.g. bos); ValueError when the engine runs without a tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer (this engine was made with "
+                             "skip_tokenizer_init=True); pass token ids")
+        return self.tokenizer.encode(text).ids
 
     def kv_policy(self, params: SamplingParams) -> KVEvictionPolicy:
         """The request's KV eviction policy: its own settings over the engine's."""

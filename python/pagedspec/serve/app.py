@@ -112,10 +112,12 @@ class OpenAIServer:
         """The token ids the engine will see (text is encoded with the tokenizer's special
         tokens, as the engine and the offline LLM do)."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
+            try:
+                return self.engine.engine.encode(prompt)
+            except ValueError:
                 raise RequestError("text prompts need a tokenizer, and this server runs without "
-                                   "one (--skip-tokenizer-init); send token ids", param=param)
-            return self.tokenizer.encode(prompt).ids
+                                   "one (--skip-tokenizer-init); send token ids",
+                                   param=param) from None
         return list(prompt)
 
     def _max_tokens(self, num_prompt_tokens: int, requested: Optional[int], param: str,
