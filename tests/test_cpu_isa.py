@@ -500,10 +500,11 @@ def test_forcing_an_unknown_or_missing_level_is_an_error(gen, monkeypatch):
             case.run(ops.paged_attention)
 
 
-# Issue 44's edge semantics at every level this CPU runs (the ids name the level, and the case
-# the path it takes there: the FMA path on native caches, FP8 codes converted in registers, or,
-# at avx2, FP8 tiles read as bf16 images). The kernels decide them in the shared epilogue and
-# split merge, so v1 (one pass) and v2 / the dispatcher (split sequences) both run.
+# Attention's edge semantics (undefined rows, huge scales) at every level this CPU runs (the ids
+# name the level, and the case the path it takes there: the FMA path on native caches, FP8
+# codes converted in registers, or, at avx2, FP8 tiles read as bf16 images). The kernels decide
+# them in the shared epilogue and split merge, so v1 (one pass) and v2 / the dispatcher (split
+# sequences) both run.
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

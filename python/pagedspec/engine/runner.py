@@ -13,7 +13,7 @@ the first steps until ``calibration_tokens`` tokens were computed: ``scale = ama
 (fp8_max / 2)`` rounded up to a power of two, for K and V of each layer, ``amax`` a running
 maximum over every token seen so far. One step is not enough: a one-token warm-up request left
 the scales of SmolLM2-135M 2-3x too small, and later K/V clipped (greedy agreement with float32
-fell from 95% to 69% on a long prompt, issue 48). When a scale grows, the blocks already written
+fell from 95% to 69% on a long prompt). When a scale grows, the blocks already written
 with the smaller one (tracked through the steps' writes, copies and swaps) are requantized to
 it, so every cached value always decodes with its layer's current scale; powers of two make that
 requantization exact outside the subnormal range. The factor 2 (2 to 4 after rounding) is
