@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 import pytest
 
 from checkpoints import make_checkpoint
 from pagedspec import LLM, EngineConfig, RequestOutputKind, SamplingParams
+from pagedspec.engine import async_engine
 from pagedspec.engine import (AsyncEngine, Engine, EngineOverloadedError, SequenceStatus)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -314,6 +316,39 @@ def test_async_streams_equal_the_offline_llm_and_a_cancelled_one_frees_its_block
         bm.check_invariants()
     finally:
         engine.shutdown()
+
+
+def test_async_builds_and_steps_the_engine_on_one_thread(ckpt, monkeypatch):
+    """All of the model's torch work runs on the driver thread (one OpenMP pool: see the
+    module's docstring); a configuration that fails to build raises from the constructor."""
+    threads = []
+
+    class Recorded(Engine):
+        def __init__(self, config):
+            threads.append(("build", threading.current_thread()))
+            super().__init__(config)
+
+        def step(self):
+            threads.append(("step", threading.current_thread()))
+            return super().step()
+
+    monkeypatch.setattr(async_engine, "Engine", Recorded)
+    engine = AsyncEngine(EngineConfig(model=str(ckpt), dtype="float32", device="cpu",
+                                      max_model_len=64))
+
+    async def main():
+        return [o async for o in engine.generate("a", [5, 6], SamplingParams(
+            max_tokens=3, **GREEDY))]
+
+    try:
+        assert len(asyncio.run(main())[-1].outputs[0].token_ids) == 3
+    finally:
+        engine.shutdown()
+    assert {kind for kind, _ in threads} == {"build", "step"}
+    assert {t for _, t in threads} == {engine._thread} != {threading.main_thread()}
+    with pytest.raises(ValueError, match="max_model_len"):
+        AsyncEngine(EngineConfig(model=str(ckpt), dtype="float32", device="cpu",
+                                 max_model_len=10 ** 9))
 
 
 def test_async_refuses_bad_input_and_overload_at_once(ckpt):

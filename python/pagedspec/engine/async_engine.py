@@ -7,6 +7,12 @@ outputs. Adds and aborts are applied between steps, in the order they were made.
             max_tokens=32, output_kind=RequestOutputKind.DELTA)):
         print(out.outputs[0].text, end="")
 
+The engine is built on the driver thread, not the caller's, so every torch operation of the
+model runs on one thread. torch's CPU kernels parallelize with OpenMP, which keeps a pool of
+worker threads per thread that starts parallel work; two such pools on a machine with as many
+cores as one pool's threads make libgomp throttle its spin-waits, and every parallel op then
+pays a sleeping worker's wake-up (SmolLM2 at batch 1 on 2 cores: 45 ms per token against 30).
+
 A consumer that stops early or is cancelled (a client that disconnects) aborts its request at
 once: its blocks are freed before the next step. A failure inside a step ends the driver; every
 open stream then raises :class:`EngineDeadError` (requests' own bad input never gets that far:
@@ -80,7 +86,9 @@ class RequestStream:
 
 class AsyncEngine:
     """Args:
-        config: the engine's configuration (the engine is built here: loads the model).
+        config: the engine's configuration. The engine is built (the model loaded) on the
+            driver thread, and the constructor returns once it is, raising what building it
+            raised.
         max_waiting: refuse a request (:class:`EngineOverloadedError`) when more than this many
             would wait, i.e. not fit the next step's free sequence slots; None: no limit.
         stats_listener: called from the driver thread after every step with its
@@ -92,7 +100,6 @@ class AsyncEngine:
         if max_waiting is not None and (not isinstance(max_waiting, int) or max_waiting < 0):
             raise ValueError(f"AsyncEngine: max_waiting must be None or an int >= 0, got "
                              f"{max_waiting!r}")
-        self.engine = Engine(config)
         self.max_waiting = max_waiting
         self.stats_listener = stats_listener
         self._streams: dict[str, RequestStream] = {}     # open requests (event loop's view)
@@ -102,9 +109,14 @@ class AsyncEngine:
         self._error: Optional[BaseException] = None
         self._num_pending = 0                            # adds not yet applied
         self._last_stats = StepStats()
-        self._thread = threading.Thread(target=self._drive, name="pagedspec-engine",
-                                        daemon=True)
+        self.engine: Optional[Engine] = None
+        built = threading.Event()
+        self._thread = threading.Thread(target=self._build_and_drive, args=(config, built),
+                                        name="pagedspec-engine", daemon=True)
         self._thread.start()
+        built.wait()
+        if self.engine is None:
+            raise self._error
 
     # ---- the caller's side (event loop thread) --------------------------------------------
     @property
@@ -169,6 +181,16 @@ class AsyncEngine:
             self._thread.join(timeout=30)
 
     # ---- the driver thread ----------------------------------------------------------------
+    def _build_and_drive(self, config: EngineConfig, built: threading.Event) -> None:
+        try:
+            self.engine = Engine(config)
+        except BaseException as exc:  # noqa: BLE001  (raised again by the constructor)
+            self._error = exc
+            return
+        finally:
+            built.set()
+        self._drive()
+
     def _drive(self) -> None:
         engine = self.engine
         streams: dict[str, RequestStream] = {}           # the driver's view
