@@ -57,6 +57,16 @@ def test_quick_section_runs_every_workload_in_both_dtypes(chat_model):
         assert text in table
 
 
+def test_compiled_run_warms_up_every_kind_of_step_and_matches_transformers(chat_model):
+    torch._dynamo.reset()
+    report = e2e.run(torch.device("cpu"), model=str(chat_model), quick=True, threads=1,
+                     vllm_python_path="none", dtypes=["float32"], compile=True,
+                     workload_names=["decode-b1", "decode-b32"])
+    assert report.setup["compile"] and report.setup["pagedspec_warmup_s"]["float32"] > 0
+    assert [r["transformers_agree"] for r in report.rows] == [1.0, 1.0]
+    assert "compiled forward, warm-up float32" in e2e.markdown_table(report)
+
+
 def test_chat_prompts_match_transformers_rendering(chat_model):
     from pagedspec import LLM
 

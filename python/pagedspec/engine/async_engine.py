@@ -87,8 +87,8 @@ class RequestStream:
 class AsyncEngine:
     """Args:
         config: the engine's configuration. The engine is built (the model loaded) on the
-            driver thread, and the constructor returns once it is, raising what building it
-            raised.
+            driver thread, and the constructor returns once it is (and, compiled, warmed up:
+            :meth:`Engine.warm_up`), raising what building it raised.
         max_waiting: refuse a request (:class:`EngineOverloadedError`) when more than this many
             would wait, i.e. not fit the next step's free sequence slots; None: no limit.
         stats_listener: called from the driver thread after every step with its
@@ -110,6 +110,7 @@ class AsyncEngine:
         self._num_pending = 0                            # adds not yet applied
         self._last_stats = StepStats()
         self.engine: Optional[Engine] = None
+        self.warm_up_seconds = 0.0
         built = threading.Event()
         self._thread = threading.Thread(target=self._build_and_drive, args=(config, built),
                                         name="pagedspec-engine", daemon=True)
@@ -183,7 +184,9 @@ class AsyncEngine:
     # ---- the driver thread ----------------------------------------------------------------
     def _build_and_drive(self, config: EngineConfig, built: threading.Event) -> None:
         try:
-            self.engine = Engine(config)
+            engine = Engine(config)
+            self.warm_up_seconds = engine.warm_up()     # compile before the first request
+            self.engine = engine
         except BaseException as exc:  # noqa: BLE001  (raised again by the constructor)
             self._error = exc
             return

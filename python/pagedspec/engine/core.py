@@ -185,8 +185,7 @@ class EngineCore:
         self.speculator: Optional[Speculator] = None
         self.draft_model = None
         if config.speculative_model is not None:
-            controller = SpeculationController(config.num_speculative_tokens,
-                                               config.speculative_adaptive)
+            controller = self.new_controller()
             if draft_ckpt is None:
                 self.speculator = Speculator(controller, ngram=NgramProposer(
                     config.prompt_lookup_max, config.prompt_lookup_min))
@@ -209,6 +208,11 @@ class EngineCore:
         self.clock = _NoClock()       # a PhaseClock splits steps into phases (step profile)
 
     # ---- construction helpers -------------------------------------------------------------
+    def new_controller(self) -> SpeculationController:
+        """A speculation controller that has learned nothing yet."""
+        return SpeculationController(self.config.num_speculative_tokens,
+                                     self.config.speculative_adaptive)
+
     def _draft_checkpoint(self, config: EngineConfig) -> Optional[Checkpoint]:
         """The draft checkpoint (None for n-gram drafting or none), its vocabulary checked."""
         if config.speculative_model is None:

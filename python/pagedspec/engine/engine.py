@@ -21,7 +21,8 @@ from typing import Iterable, Optional, Union
 from pagedspec.engine.config import EngineConfig
 from pagedspec.engine.core import CoreRequest, EngineCore
 from pagedspec.engine.kv_eviction import KVEvictionPolicy
-from pagedspec.engine.metrics import StepStats
+from pagedspec.engine.controller import SpecStats, SpeculationController
+from pagedspec.engine.metrics import SpecDecodingStats, StepStats
 from pagedspec.engine.output_processor import OutputProcessor
 from pagedspec.engine.outputs import RequestOutput, SamplingParams
 
@@ -153,6 +154,51 @@ class Engine:
                 if out.finished and out.metrics.finished_time is None:
                     out.metrics.finished_time = now
         return outputs
+
+    def warm_up(self) -> float:
+        """With ``compile=True``, compiles every kind of step before real requests come (a
+        server's first requests would otherwise wait for it): prefill and decode of one
+        sequence and of several, and verification when speculating, on throwaway requests. Then
+        forgets them: arrival numbers (seeding), the speculation controller's learning and the
+        statistics start afresh. Does nothing in eager mode, with requests already queued, or
+        while FP8 scales are still being calibrated (calibration must see real K/V, and its
+        steps run eagerly anyway). Returns the seconds it took."""
+        core = self.core
+        spec = core.speculator
+        runners = [core.runner] + ([spec.draft_model.runner] if spec and spec.draft_model else [])
+        if not self.config.compile or self.has_unfinished() or any(
+                r.calibrate_fp8 for r in runners):
+            return 0.0
+        start = time.perf_counter()
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        # Plain steps first (speculation off), then speculative ones with every sequence
+        # drafting the most tokens (what an adaptive controller would choose depends on what
+        # it has learned). Each pass: one sequence with a prompt under 17 tokens (a draft model
+        # catches up on it in a verification-sized pass), one longer, then five at once.
+        # Prompts repeat a 6-token period, so an n-gram drafter finds matches too; each starts
+        # elsewhere, so the prefix cache never shares their blocks.
+        try:
+            for round_, speculator in enumerate((None, spec) if spec else (None,)):
+                core.speculator = speculator
+                if speculator is not None:
+                    speculator.controller = SpeculationController(
+                        self.config.num_speculative_tokens, adaptive=False)
+                for n, length in ((1, 12), (1, 40), (5, 20)):
+                    for i in range(n):
+                        first = 101 * round_ + 31 * i + 5 * n + length
+                        prompt = [(first + 7 * (j % 6)) % self.vocab_size
+                                  for j in range(length + 9 * i)]
+                        self.add_request(f"warm-up-{round_}-{n}-{length}-{i}", prompt, params)
+                    while self.has_unfinished():
+                        self.step()
+        finally:
+            core.speculator = spec
+        self._arrivals = itertools.count()
+        if spec is not None:
+            spec.controller, spec.stats = core.new_controller(), SpecStats()
+            spec.step_stats = SpecDecodingStats()
+        core.last_stats = StepStats()
+        return time.perf_counter() - start
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()

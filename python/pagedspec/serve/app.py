@@ -589,6 +589,8 @@ def create_engine_and_app(config, served_model_name: Optional[str] = None,
     AsyncEngine = _engine_classes()[0]
     relay = _StatsRelay()
     engine = AsyncEngine(config, max_waiting=max_waiting, stats_listener=relay)
+    if engine.warm_up_seconds:
+        logger.info("compiled the forward in %.1f s before serving", engine.warm_up_seconds)
     core = engine.engine
     name = served_model_name or str(config.model)
     spec = core.config.num_speculative_tokens if core.config.speculative_model else None
