@@ -357,12 +357,14 @@ ISOLATION_FNS = {**VARIANTS, "reference": reference.paged_attention}
 @pytest.mark.parametrize("num_heads, num_kv_heads, q_len", [(2, 1, 2), (4, 4, 3), (8, 1, 9),
                                                             (16, 2, 5)])
 @pytest.mark.parametrize("poison", ["k_inf", "v_inf", "v_nan", "k_nan"])
-# bf16 queries: the CPU's AMX path (on the bf16 cache, and on FP8 caches through their images).
+# bf16 queries: with the opt-in bf16 paths, the CPU's AMX and dot paths (on the bf16 cache, and
+# on FP8 caches through their images).
 @pytest.mark.parametrize("dtype, cache_dtype", [(torch.float16, None), (torch.bfloat16, None),
                                                 (torch.bfloat16, FP8[0]), (torch.bfloat16, FP8[1])],
                          ids=["fp16", "bf16", "bf16-e4m3", "bf16-e5m2"])
-def test_isolation_from_later_draft_tokens(gen, device, fn, num_heads, num_kv_heads, q_len,
-                                           poison, dtype, cache_dtype):
+@pytest.mark.parametrize("bf16_paths", ["default", "opt-in"])
+def test_isolation_from_later_draft_tokens(gen, monkeypatch, device, fn, num_heads, num_kv_heads,
+                                           q_len, poison, dtype, cache_dtype, bf16_paths):
     # The contract's Isolation: a token's out, lse and mass do not depend on positions past its
     # causal limit. Poison the K or V of the last query token of each sequence (a later draft
     # token) and every earlier token must give bit-identical results to the clean run. The
@@ -370,6 +372,12 @@ def test_isolation_from_later_draft_tokens(gen, device, fn, num_heads, num_kv_he
     # differ (the shapes where a zero-weight multiply would turn an inf into NaN).
     if fn == "reference" and device != "cpu":
         pytest.skip("the reference runs on CPU tensors here")
+    if bf16_paths == "opt-in":
+        monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "1")
+        monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", "1")
+        if fn == "reference" or device != "cpu" or dtype != torch.bfloat16 or not (
+                pagedspec._C.cpu_amx() or pagedspec._C.cpu_bf16_dot()):
+            pytest.skip("the opt-in bf16 paths: CPU kernels, bf16 queries, AMX or AVX512-BF16")
     case = Case(gen, seq_lens=[37, 1100, q_len], q_lens=[q_len, q_len, q_len],
                 num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=64, block_size=16,
                 dtype=dtype, cache_dtype=cache_dtype, device=device)

@@ -33,7 +33,28 @@ def level(request, monkeypatch):
     return request.param
 
 
-HAS_AMX = INFO["cpu_amx"]
+def _amx_supported() -> bool:
+    # PAGEDSPEC_CPU_AMX=1 opts in wherever the CPU (and OS) has AMX-BF16.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDSPEC_CPU_AMX", "1")
+        return pagedspec._C.cpu_amx()
+
+
+HAS_AMX = _amx_supported()
+
+
+def test_bf16_paths_are_opt_in(monkeypatch):
+    """The AMX and bf16 dot paths multiply bf16-rounded probabilities, outside the contract's
+    float32-level bound: by default every CPU runs the FMA path, and build_info says so."""
+    for name in ("PAGEDSPEC_CPU_AMX", "PAGEDSPEC_CPU_AMX_DECODE", "PAGEDSPEC_CPU_BF16_DOT"):
+        monkeypatch.delenv(name, raising=False)
+    info = pagedspec.build_info()
+    assert not (info["cpu_amx"] or info["cpu_bf16_dot"] or info["cpu_bf16_dot_fp8"])
+    assert not (pagedspec._C.cpu_amx() or pagedspec._C.cpu_bf16_dot()
+                or pagedspec._C.cpu_bf16_dot_fp8())
+    monkeypatch.setenv("PAGEDSPEC_CPU_AMX_DECODE", "1")     # not an opt-in of its own
+    assert not pagedspec._C.cpu_amx()
+    print(f"opt-in paths this CPU offers: AMX {HAS_AMX}, bf16 dot {HAS_BF16_DOT}")
 
 
 def _check_bf16_case(gen, variant, q_lens, seq_lens, heads, head_size, cache_dtype, block_size):
@@ -109,6 +130,7 @@ def test_amx_decode_path_matches_reference(gen, monkeypatch, amx_decode, variant
         pytest.skip("this CPU (or OS) has no AMX-BF16")
     if "avx512" not in INFO["cpu_isa_supported"]:
         pytest.skip("the AMX path is part of the avx512 level")
+    monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "1")
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX_DECODE", amx_decode)
     _check_bf16_case(gen, variant, q_lens, seq_lens, heads, head_size, cache_dtype, block_size)
 
@@ -127,6 +149,7 @@ def test_amx_decode_path_is_taken(gen, monkeypatch, cache_dtype, q_len):
     would mean the decode path never ran. With 5 query tokens (20 rows a KV head) the other side
     is the many-row AMX path, which rounds the same weights to bf16 but sums in another order."""
     case = _decode_case(gen, cache_dtype, q_len=q_len)
+    monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "1")
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX_DECODE", "1")
     with_amx, lse_amx, _ = case.run(ops.paged_attention, lse=True)
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX_DECODE", "0")
@@ -154,6 +177,7 @@ def test_amx_decode_rescales_its_accumulators(gen, monkeypatch, rising, variant,
             block = int(case.block_tables[seq, b])
             case.key_cache[block] = (case.key_cache[block].float() * factor[:, None, None]).to(
                 torch.bfloat16)
+    monkeypatch.setenv("PAGEDSPEC_CPU_AMX", "1")
     monkeypatch.setenv("PAGEDSPEC_CPU_AMX_DECODE", "1")
     check_case(case, VARIANTS[variant])
 
@@ -201,30 +225,16 @@ def test_bf16_dot_path_matches_reference(gen, monkeypatch, dot, variant, q_lens,
     _check_bf16_case(gen, variant, q_lens, seq_lens, heads, head_size, cache_dtype, block_size)
 
 
-def _cpu_vendor() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    return ""
-
-
 @pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU has no AVX512-BF16 with AVX512-VBMI")
-def test_bf16_dot_default_follows_vendor_and_cache(monkeypatch):
-    """By default the dot path takes FP8 caches on every CPU that has it and bf16 caches on AMD
-    only (an Intel core issues vdpbf16ps at half the FMA's rate; bench/NOTES.md has the A/B),
-    whether or not AMX takes other tasks; the variable forces both."""
-    amd = _cpu_vendor() == "AuthenticAMD"
-    monkeypatch.delenv("PAGEDSPEC_CPU_BF16_DOT", raising=False)
+def test_bf16_dot_opt_in_takes_both_caches(monkeypatch):
+    """PAGEDSPEC_CPU_BF16_DOT=1 turns the dot path on for bf16 and FP8 caches alike, whether or
+    not AMX takes other tasks; anything else leaves it off."""
     for amx in ("0", "1"):
         monkeypatch.setenv("PAGEDSPEC_CPU_AMX", amx)
-        assert pagedspec._C.cpu_bf16_dot_fp8()
-        assert pagedspec._C.cpu_bf16_dot() == amd
-    info = pagedspec.build_info()
-    assert info["cpu_bf16_dot"] == amd and info["cpu_bf16_dot_fp8"]
-    for forced in ("0", "1"):
-        monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", forced)
-        assert pagedspec._C.cpu_bf16_dot() == pagedspec._C.cpu_bf16_dot_fp8() == (forced == "1")
+        for forced in ("0", "1", "yes"):
+            monkeypatch.setenv("PAGEDSPEC_CPU_BF16_DOT", forced)
+            assert pagedspec._C.cpu_bf16_dot() == pagedspec._C.cpu_bf16_dot_fp8() == (
+                forced == "1")
 
 
 @pytest.mark.skipif(not HAS_BF16_DOT, reason="this CPU has no AVX512-BF16 with AVX512-VBMI")

@@ -69,9 +69,14 @@ bool not_turned_off(const char* name) {
   const char* env = std::getenv(name);
   return env == nullptr || std::string(env) != "0";
 }
+// Whether the environment variable `name` is "1" (read at every call).
+bool turned_on(const char* name) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::string(env) == "1";
+}
 }  // namespace
 
-bool amx_available() { return not_turned_off("PAGEDSPEC_CPU_AMX") && amx_supported(); }
+bool amx_available() { return turned_on("PAGEDSPEC_CPU_AMX") && amx_supported(); }
 
 bool amx_decode_available() {
   return not_turned_off("PAGEDSPEC_CPU_AMX_DECODE") && amx_available();

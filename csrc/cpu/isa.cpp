@@ -80,17 +80,9 @@ bool cpu_bf16_dot_supported() {
 #endif
 }
 
-bool cpu_bf16_dot(bool fp8_cache) {
+bool cpu_bf16_dot(bool /*fp8_cache*/) {
   const char* env = std::getenv("PAGEDSPEC_CPU_BF16_DOT");
-  const std::string forced = env == nullptr ? "" : env;
-  if (forced == "0") return false;
-  if (forced == "1") return cpu_bf16_dot_supported();
-#if defined(__x86_64__) || defined(__i386__)
-  static const bool amd = __builtin_cpu_is("amd");
-#else
-  static const bool amd = false;
-#endif
-  return cpu_bf16_dot_supported() && (fp8_cache || amd);
+  return env != nullptr && std::string(env) == "1" && cpu_bf16_dot_supported();
 }
 
 }  // namespace pagedspec

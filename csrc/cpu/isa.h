@@ -22,14 +22,13 @@ CpuIsa cpu_isa();
 // The avx512 level's bf16 dot-product path (vdpbf16ps: 32 bf16 products per instruction where an
 // FMA takes 16 float32): whether the CPU has it, and whether attention with bf16 queries on a bf16
 // (fp8_cache false) or an FP8 cache (true) takes it now, for the tasks the AMX paths leave.
-// By default: on AMD (Zen 4) for both caches, where a vdpbf16ps issues at the FMA's rate, twice
-// the arithmetic; on Intel for FP8 caches only. An Intel core issues it at half the FMA's rate
-// (the same products per cycle; measured on a Sapphire Rapids), and its bf16 caches were 3-18%
-// faster on the FMA path (Emerald Rapids without AMX; Sapphire Rapids with AMX off, or at head
-// size 256), while FP8 caches were 15-20% faster on the dot path, whose codes become bf16 in
-// registers rather than float32.
-// PAGEDSPEC_CPU_BF16_DOT=0 turns it off, =1 on wherever the CPU has the instruction, for both
-// caches (read at every call, as PAGEDSPEC_CPU_ISA, so tests can run both paths).
+// Opt-in, off by default: its P.V multiplies bf16-rounded probabilities (2^-9 relative error per
+// weight), outside the contract's float32-level bound. Where it was measured faster: on AMD (Zen
+// 4) for both caches, where a vdpbf16ps issues at the FMA's rate, twice the arithmetic; on Intel
+// for FP8 caches only (an Intel core issues it at half the FMA's rate; FP8 caches were 15-20%
+// faster on it, their codes becoming bf16 in registers rather than float32).
+// PAGEDSPEC_CPU_BF16_DOT=1 turns it on wherever the CPU has the instruction, for both caches
+// (read at every call, as PAGEDSPEC_CPU_ISA, so tests can run both paths).
 // Supported means AVX512-BF16 and AVX512-VBMI (its FP8 conversion; Zen 4 and every Intel CPU
 // with AVX512-BF16 but Cooper Lake have both).
 bool cpu_bf16_dot_supported();

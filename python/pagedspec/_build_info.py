@@ -20,11 +20,12 @@ def build_info() -> dict:
     ``cpu_isa_supported`` (those this CPU runs) and ``cpu_isa`` (the one in use: the best
     supported, or ``PAGEDSPEC_CPU_ISA=baseline|avx2|avx512``) and ``cpu_amx`` (whether the
     avx512 level's attention with bf16 queries, on bf16 or FP8 caches, uses AMX tile multiplies:
-    the CPU has AMX-BF16, the OS allows it, and ``PAGEDSPEC_CPU_AMX`` is not ``0``) and
-    ``cpu_bf16_dot`` and ``cpu_bf16_dot_fp8`` (whether that level's attention with bf16
+    only when opted in with ``PAGEDSPEC_CPU_AMX=1`` on a CPU with AMX-BF16 that the OS allows)
+    and ``cpu_bf16_dot`` and ``cpu_bf16_dot_fp8`` (whether that level's attention with bf16
     queries on a bf16 / an FP8 cache uses AVX512-BF16 dot products for the tasks the AMX paths
-    leave: by default where the CPU has them and AVX512-VBMI, on AMD for both caches and on
-    Intel for FP8 caches only; ``PAGEDSPEC_CPU_BF16_DOT=0`` or ``1`` forces both) and
+    leave: only when opted in with ``PAGEDSPEC_CPU_BF16_DOT=1`` on a CPU with them and
+    AVX512-VBMI). Both opt-in paths multiply bf16-rounded probabilities, outside the contract's
+    float32-level bound; the default FMA path keeps it. And
     ``cpu_fp8_images`` (whether the FMA path at the level in use, which the other query types
     and the tasks the dot and AMX paths leave run, reads an FP8 tile as images converted once per
     tile for tasks of several blocks of query rows: at avx2, and at avx512 where the CPU has
