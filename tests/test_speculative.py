@@ -354,6 +354,36 @@ def test_controller_model_on_synthetic_costs():
     assert np.mean([k > 0 for k in run(0.7, compute_bound, 5e-3, 64)]) <= 0.1
 
 
+def test_controller_explores_rarely_while_drafting_loses_and_recovers():
+    """A draft that is never accepted: after warm-up, exploration steps (the only drafting
+    ones) come ever more rarely, at most every MAX_EXPLORE_EVERY steps, not one in
+    explore_every; once the drafts start being accepted, drafting is back within that gap."""
+    c = SpeculationController(max_k=4)
+    rng = random.Random(0)
+    batch, keys = 64, list(range(64))
+    target = lambda t: 1e-2 + 1e-5 * t          # noqa: E731  memory-bound: drafts pay if accepted
+
+    def step(accept: float) -> int:
+        k = c.choose(keys, [100] * batch, 0)
+        drafting = keys[:c.draft_limit] if c.draft_limit is not None else keys
+        c.observe_target(batch + len(drafting) * k, target(batch + len(drafting) * k))
+        if k:
+            c.observe_draft(len(drafting), 1e-3)
+            for key in drafting:
+                acc = 0
+                while acc < k and rng.random() < accept:
+                    acc += 1
+                c.observe_acceptance(key, k, acc)
+        return k
+
+    losing = [step(0.0) for _ in range(1000)]
+    drafting_steps = [i + 1 for i, k in enumerate(losing) if k]
+    assert len([i for i in drafting_steps if i > c.warmup_steps]) <= 8, drafting_steps
+    assert all(b - a <= c.MAX_EXPLORE_EVERY for a, b in zip(drafting_steps, drafting_steps[1:]))
+    winning = [step(0.95) for _ in range(2 * c.MAX_EXPLORE_EVERY)]
+    assert np.mean([k > 0 for k in winning[-c.MAX_EXPLORE_EVERY // 2:]]) > 0.8, winning
+
+
 def with_synthetic_costs(controller: SpeculationController) -> SpeculationController:
     """Feeds the controller a fixed memory-bound cost model in place of the wall clock, so a
     test of how real drafts' acceptance drives k does not depend on the machine's load (a

@@ -24,7 +24,8 @@ argument and interpolated linearly between measured buckets; above them ``t`` is
 of the last two (proportionally to the tokens while only one is known: pessimistic for
 speculation, so a large k is not chosen on hope). Every ``explore_every`` steps one step uses a neighbour of the best k (best + 1
 when speculation is off), so costs and acceptance stay measured near the choice at the price of
-one slightly worse step; the first two steps draft up to 4 tokens to learn the acceptance, then
+one slightly worse step; while k = 0 keeps winning, the gap doubles up to
+``MAX_EXPLORE_EVERY`` (exploring then costs a verification and a draft model's catch-up); the first two steps draft up to 4 tokens to learn the acceptance, then
 one plain step measures the cost without drafts. Learning steps draft for a quarter of the
 batch only: at a large batch, where speculation rarely pays, they stay cheap (a draft model
 must also catch its cache up on every token it skipped).
@@ -124,6 +125,12 @@ class SpeculationController:
     HYSTERESIS = 1.05
     # Steps a measured loss of drafting vetoes it for; then the model may try again.
     GOODPUT_MEMORY = 64
+    # The longest gap between exploration steps. Exploring while k = 0 wins costs a
+    # verification and, with a draft model, its cache catching up on every token skipped since
+    # the last draft: at batch 64 with a misaligned draft, one such step in 8 cost ~10% of the
+    # throughput. So while k = 0 keeps winning the gap doubles, up to this; once drafting
+    # pays, it is back to ``explore_every``.
+    MAX_EXPLORE_EVERY = 256
 
     def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 3,
                  explore_every: int = 8, decay: float = 0.9, prior: float = 0.5,
@@ -132,6 +139,9 @@ class SpeculationController:
             raise ValueError(f"SpeculationController: max_k must be >= 1, got {max_k}")
         self.max_k, self.adaptive = max_k, adaptive
         self.warmup_steps, self.explore_every, self.decay = warmup_steps, explore_every, decay
+        self._explore_gap = explore_every
+        self._next_explore = explore_every      # the step that explores next
+        self._explorations = 0
         self.accept = [prior] * max_k           # P(draft j accepted | drafts < j accepted)
         self.accept_seen = [0] * max_k          # observations behind each estimate
         self.global_rate = prior                # moving per-draft acceptance over requests
@@ -257,7 +267,11 @@ class SpeculationController:
                         and spec_rate[0] < plain_rate[0]):
                     k = 0                     # measured, not predicted: drafting loses here
                 self._decided = (B, self.steps, k)
-            if self.steps % self.explore_every == 0:
+            if self.steps >= self._next_explore:
+                self._explore_gap = (min(2 * self._explore_gap, self.MAX_EXPLORE_EVERY)
+                                     if k == 0 else self.explore_every)
+                self._next_explore = self.steps + self._explore_gap
+                self._explorations += 1
                 k = self._explore(k, B, other_tokens)
                 self.draft_limit = -(-B // 4)
         self.history.append(k)
@@ -268,7 +282,9 @@ class SpeculationController:
         one whose target cost bucket is unmeasured if there is one, else best + 1 and best - 1
         in turn. A neighbour costs little more than the best, so exploring is cheap."""
         up, down = min(best + 1, self.max_k), max(best - 1, 0)
+        if best == 0:
+            return up                 # no neighbour below: every exploration measures k = 1
         for k in (up, down):
             if not self.target_cost.known(other_tokens + num_seqs * (1 + k)):
                 return k
-        return up if (self.steps // self.explore_every) % 2 else down
+        return up if self._explorations % 2 else down
