@@ -131,3 +131,6 @@ def test_warm_up_compiles_every_kind_of_step_and_then_forgets_its_requests(pair,
     assert warmed == run(Engine(config), (1, 3, 2))
     assert Engine(EngineConfig(model=str(target), dtype="float32", device="cpu",
                                max_model_len=64)).warm_up() == 0.0     # eager: nothing to do
+    short = Engine(EngineConfig(model=str(target), dtype="float32", device="cpu",
+                                max_model_len=24, compile=True))
+    assert short.warm_up() > 0 and not short.has_unfinished()    # prompts cut to fit

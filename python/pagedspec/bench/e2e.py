@@ -627,6 +627,7 @@ def run(device: torch.device, *, model: Optional[str] = None, quick: bool = Fals
             report.setup.setdefault("pagedspec_warmup_s", {})[dtype_name] = \
                 llm.engine.warm_up()
             warm = Prompts([[(7 * i + 1) % config["vocab_size"] for i in range(8)]], [4], [])
+            run_pagedspec(llm, warm, device)
             run_transformers(hf, warm, device)
             runs: dict[str, dict[str, EngineRun]] = {}
             for w, p in batches:

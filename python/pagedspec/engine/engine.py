@@ -186,8 +186,9 @@ class Engine:
                 for n, length in ((1, 12), (1, 40), (5, 20)):
                     for i in range(n):
                         first = 101 * round_ + 31 * i + 5 * n + length
-                        prompt = [(first + 7 * (j % 6)) % self.vocab_size
-                                  for j in range(length + 9 * i)]
+                        size = max(1, min(length + 9 * i,
+                                          self.max_model_len - params.max_tokens - 1))
+                        prompt = [(first + 7 * (j % 6)) % self.vocab_size for j in range(size)]
                         self.add_request(f"warm-up-{round_}-{n}-{length}-{i}", prompt, params)
                     while self.has_unfinished():
                         self.step()
