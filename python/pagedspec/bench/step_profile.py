@@ -9,7 +9,7 @@ their prefill, then ``--steps`` decode steps are timed with the core's phase clo
 (:class:`pagedspec.engine.core.PhaseClock`) and as many again under ``torch.profiler``. A step's
 wall time is split into
 
-  gemm         self time of aten's matrix multiplies (from the profiled steps)
+  gemm         self time of the target's matrix multiplies (from the profiled steps)
   attention    self time of pagedspec's ops (reshape_and_cache, paged attention)
   forward_rest the rest of the model's forward: elementwise ops, norms, RoPE, and Python
   sample_verify  sampling, greedy / rejection verification, logprobs
@@ -68,22 +68,48 @@ def grounded_prompts(tokenizer, vocab_size: int, batch: int, prompt_len: int) ->
     return [ids[(i * stride) % max(1, len(ids) - prompt_len):][:prompt_len] for i in range(batch)]
 
 
-def _op_seconds(llm, steps: int) -> tuple[float, float]:
-    """(GEMM, pagedspec op) self CPU seconds per step over ``steps`` profiled steps."""
+def _op_seconds(llm, steps: int) -> tuple[float, float, float]:
+    """Seconds per step of the target model's GEMMs and pagedspec ops (self CPU time) and of
+    its forward (wall, under the profiler), over ``steps`` profiled steps. A draft model's ops
+    are left out: they belong to drafting."""
     from torch.profiler import ProfilerActivity, profile
 
+    from pagedspec.engine.core import PhaseClock, _NoClock
+
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            llm.engine.step()
+    core = llm.engine.core
+    runner, execute = core.runner, core.runner.execute
+
+    def target_forward(*args, **kwargs):   # only the target's ops: a draft model's are drafting
+        with torch.profiler.record_function(_TARGET_RANGE):
+            return execute(*args, **kwargs)
+
+    clock = core.clock = PhaseClock()
+    runner.execute = target_forward
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                llm.engine.step()
+    finally:
+        core.clock = _NoClock()
+        del runner.execute
+    forward = max(clock.seconds.get("forward", 0.0), 1e-12)
     gemm = attention = 0.0
-    for event in prof.key_averages():
+    for event in prof.events():
+        parent = event.cpu_parent
+        while parent is not None and parent.name != _TARGET_RANGE:
+            parent = parent.cpu_parent
+        if parent is None:
+            continue
         seconds = event.self_cpu_time_total / 1e6
-        if event.key.startswith("pagedspec::"):
+        if event.name.startswith("pagedspec::"):
             attention += seconds
-        elif event.key in LINEAR_OPS:   # self times: linear and the mm it calls never overlap
+        elif event.name in LINEAR_OPS:   # self times: linear and the mm it calls never overlap
             gemm += seconds
-    return gemm / steps, attention / steps
+    return gemm / steps, attention / steps, forward / steps
+
+
+_TARGET_RANGE = "pagedspec.step_profile.target_forward"
 
 
 def profile_case(llm, prompts: list[list[int]], steps: int) -> dict:
@@ -93,7 +119,12 @@ def profile_case(llm, prompts: list[list[int]], steps: int) -> dict:
     from pagedspec.engine.core import PhaseClock, _NoClock
 
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=3 * steps + 16, ignore_eos=True)
+    config = engine.config
+    k = config.num_speculative_tokens if config.speculative_model is not None else 0
+    # Room for every step to emit k + 1 tokens through both windows: a sequence that finished
+    # inside them would leave steps with less (or nothing) to do.
+    params = SamplingParams(temperature=0, max_tokens=(2 * steps + 8) * (k + 1) + 16,
+                            ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"p{i}", prompt, params)
     sched = engine.core.scheduler
@@ -109,14 +140,22 @@ def profile_case(llm, prompts: list[list[int]], steps: int) -> dict:
         engine.step()
     wall = (time.perf_counter() - start) / steps
     engine.core.clock = _NoClock()
-    gemm, attention = _op_seconds(llm, steps)
+    gemm, attention, profiled_forward = _op_seconds(llm, steps)
+    if clock.steps != steps or engine.num_unfinished() != len(prompts):
+        raise RuntimeError(f"step_profile: sequences finished inside the profiled steps "
+                           f"({clock.steps} of {steps} timed steps ran)")
     engine.abort([f"p{i}" for i in range(len(prompts))])
     per = {k: v / clock.steps for k, v in clock.seconds.items()}
     forward = per.get("forward", 0.0)
+    if gemm + attention > forward:
+        # The two windows' steps differ by more than the ops' own noise (a large batch): apply
+        # the profiled shares instead, which the profiler's per-op overhead dilutes a little.
+        scale = forward / max(profiled_forward, gemm + attention)
+        gemm, attention = gemm * scale, attention * scale
     phases = {
-        "gemm": min(gemm, forward),
-        "attention": min(attention, max(forward - gemm, 0.0)),
-        "forward_rest": max(forward - gemm - attention, 0.0),
+        "gemm": gemm,
+        "attention": attention,
+        "forward_rest": forward - gemm - attention,
         "sample_verify": per.get("sample_verify", 0.0),
         "schedule": per.get("schedule", 0.0),
         "drafting": per.get("plan_drafts", 0.0) + per.get("draft", 0.0),
