@@ -216,12 +216,10 @@ static PyObject* cpu_amx_in_use(PyObject*, PyObject*) {
 }
 
 // _C.cpu_bf16_dot() / cpu_bf16_dot_fp8(): whether the avx512 level's attention on bf16 / FP8
-// caches uses vdpbf16ps now (for the tasks the AMX paths leave).
+// caches uses vdpbf16ps now (for the tasks the AMX paths leave). One answer for both since the
+// opt-in covers both caches; the two names stay for build_info's keys.
 static PyObject* cpu_bf16_dot_in_use(PyObject*, PyObject*) {
-  return PyBool_FromLong(pagedspec::cpu_bf16_dot(/*fp8_cache=*/false) ? 1 : 0);
-}
-static PyObject* cpu_bf16_dot_fp8_in_use(PyObject*, PyObject*) {
-  return PyBool_FromLong(pagedspec::cpu_bf16_dot(/*fp8_cache=*/true) ? 1 : 0);
+  return PyBool_FromLong(pagedspec::cpu_bf16_dot() ? 1 : 0);
 }
 
 // _C.cpu_fp8_images(): whether the FMA path at the level in use reads FP8 tiles as images now.
@@ -239,7 +237,7 @@ static PyMethodDef kMethods[] = {
     {"cpu_amx", cpu_amx_in_use, METH_NOARGS, "Whether CPU attention uses AMX now."},
     {"cpu_bf16_dot", cpu_bf16_dot_in_use, METH_NOARGS,
      "Whether CPU attention on bf16 caches uses AVX512-BF16 dot products now."},
-    {"cpu_bf16_dot_fp8", cpu_bf16_dot_fp8_in_use, METH_NOARGS,
+    {"cpu_bf16_dot_fp8", cpu_bf16_dot_in_use, METH_NOARGS,
      "Whether CPU attention on FP8 caches uses AVX512-BF16 dot products now."},
     {"cpu_fp8_images", cpu_fp8_images_in_use, METH_NOARGS,
      "Whether CPU attention's FMA path reads FP8 tiles as images now."},

@@ -856,7 +856,7 @@ class CpuPagedAttention {
  public:
   explicit CpuPagedAttention(const PagedAttentionParams<QT, CacheT>& p)
       : p_(p), bf16_dot_(kDotCapable && p.head_size % 32 == 0 &&
-                  cpu_bf16_dot(F != CacheFormat::kNative)),
+                  cpu_bf16_dot()),
         fp8_images_(F != CacheFormat::kNative && PAGEDSPEC_CPU_LEVEL >= 1 &&
                     p.head_size % kImageStep == 0 &&
                     cpu_fp8_images(PAGEDSPEC_CPU_LEVEL == 2 ? CpuIsa::kAvx512 : CpuIsa::kAvx2)) {}

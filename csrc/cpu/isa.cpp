@@ -80,7 +80,7 @@ bool cpu_bf16_dot_supported() {
 #endif
 }
 
-bool cpu_bf16_dot(bool /*fp8_cache*/) {
+bool cpu_bf16_dot() {
   const char* env = std::getenv("PAGEDSPEC_CPU_BF16_DOT");
   return env != nullptr && std::string(env) == "1" && cpu_bf16_dot_supported();
 }

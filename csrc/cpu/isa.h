@@ -21,7 +21,7 @@ CpuIsa cpu_isa();
 
 // The avx512 level's bf16 dot-product path (vdpbf16ps: 32 bf16 products per instruction where an
 // FMA takes 16 float32): whether the CPU has it, and whether attention with bf16 queries on a bf16
-// (fp8_cache false) or an FP8 cache (true) takes it now, for the tasks the AMX paths leave.
+// or an FP8 cache takes it now, for the tasks the AMX paths leave.
 // Opt-in, off by default: its P.V multiplies bf16-rounded probabilities (2^-9 relative error per
 // weight), outside the contract's float32-level bound. Where it was measured faster: on AMD (Zen
 // 4) for both caches, where a vdpbf16ps issues at the FMA's rate, twice the arithmetic; on Intel
@@ -32,7 +32,7 @@ CpuIsa cpu_isa();
 // Supported means AVX512-BF16 and AVX512-VBMI (its FP8 conversion; Zen 4 and every Intel CPU
 // with AVX512-BF16 but Cooper Lake have both).
 bool cpu_bf16_dot_supported();
-bool cpu_bf16_dot(bool fp8_cache);
+bool cpu_bf16_dot();
 // Whether the CPU has AVX512-VBMI (byte permutes: the attention's FP8 -> bf16 conversion).
 bool cpu_avx512_vbmi();
 // Whether the FMA path at `level` (attention with float32 or fp16 queries, or bf16 ones off the

@@ -208,10 +208,12 @@ class EngineCore:
         self.clock = _NoClock()       # a PhaseClock splits steps into phases (step profile)
 
     # ---- construction helpers -------------------------------------------------------------
-    def new_controller(self) -> SpeculationController:
-        """A speculation controller that has learned nothing yet."""
+    def new_controller(self, adaptive: Optional[bool] = None) -> SpeculationController:
+        """A speculation controller that has learned nothing yet (adaptive as configured, unless
+        ``adaptive`` says otherwise)."""
         return SpeculationController(self.config.num_speculative_tokens,
-                                     self.config.speculative_adaptive)
+                                     self.config.speculative_adaptive if adaptive is None
+                                     else adaptive)
 
     def _draft_checkpoint(self, config: EngineConfig) -> Optional[Checkpoint]:
         """The draft checkpoint (None for n-gram drafting or none), its vocabulary checked."""

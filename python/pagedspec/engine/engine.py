@@ -21,7 +21,7 @@ from typing import Iterable, Optional, Union
 from pagedspec.engine.config import EngineConfig
 from pagedspec.engine.core import CoreRequest, EngineCore
 from pagedspec.engine.kv_eviction import KVEvictionPolicy
-from pagedspec.engine.controller import SpecStats, SpeculationController
+from pagedspec.engine.controller import SpecStats
 from pagedspec.engine.metrics import SpecDecodingStats, StepStats
 from pagedspec.engine.output_processor import OutputProcessor
 from pagedspec.engine.outputs import RequestOutput, SamplingParams
@@ -181,8 +181,7 @@ class Engine:
             for round_, speculator in enumerate((None, spec) if spec else (None,)):
                 core.speculator = speculator
                 if speculator is not None:
-                    speculator.controller = SpeculationController(
-                        self.config.num_speculative_tokens, adaptive=False)
+                    speculator.controller = core.new_controller(adaptive=False)
                 for n, length in ((1, 12), (1, 40), (5, 20)):
                     for i in range(n):
                         first = 101 * round_ + 31 * i + 5 * n + length
