@@ -44,7 +44,10 @@ def models(tmp_path_factory):
     aligned = first_layer_copy(target, root / "aligned")
     misaligned = make_checkpoint(root / "misaligned", "llama", seed=11, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1)
-    return {"target": target, "aligned": aligned, "misaligned": misaligned}
+    # Half the vocabulary, at random: drafts the target would accept are often out of reach.
+    subset = random.Random(5).sample(range(320), 160)
+    reduced = reduced_copy(aligned, root / "reduced", subset)
+    return {"target": target, "aligned": aligned, "misaligned": misaligned, "reduced": reduced}
 
 
 def first_layer_copy(src, dst):
@@ -58,6 +61,21 @@ def first_layer_copy(src, dst):
     tensors = load_file(src / "model.safetensors")
     save_file({k: v for k, v in tensors.items() if not k.startswith("model.layers.")
                or k.startswith("model.layers.0.")}, dst / "model.safetensors")
+    return dst
+
+
+def reduced_copy(src, dst, token_ids: list[int]):
+    """The draft ``src`` as a reduced-vocabulary draft in ``dst``: it drafts only ``token_ids``
+    (``draft_vocab.json``) and borrows its embedding from the target instead of storing it (as
+    the shipped SmolLM2 draft does)."""
+    shutil.copytree(src, dst)
+    config = json.loads((src / "config.json").read_text())
+    config["pagedspec_borrowed_weights"] = ["model.embed_tokens.weight"]
+    (dst / "config.json").write_text(json.dumps(config))
+    tensors = load_file(src / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != "model.embed_tokens.weight"},
+              dst / "model.safetensors")
+    (dst / "draft_vocab.json").write_text(json.dumps({"token_ids": sorted(token_ids)}))
     return dst
 
 
@@ -132,7 +150,7 @@ def test_ngram_proposer_incremental_index_equals_brute_force():
 # ---- greedy speculation == greedy ---------------------------------------------------------
 @pytest.mark.parametrize("k", range(1, 9))
 def test_greedy_equal_for_every_k(models, plain, k):
-    for spec in ("ngram", "aligned"):
+    for spec in ("ngram", "aligned", "reduced"):
         llm = make_llm(models, spec, num_speculative_tokens=k, speculative_adaptive=False)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=48, **GREEDY))
         for o, exp in zip(outs, plain):
@@ -142,7 +160,7 @@ def test_greedy_equal_for_every_k(models, plain, k):
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("spec", ["ngram", "aligned", "misaligned"])
+@pytest.mark.parametrize("spec", ["ngram", "aligned", "misaligned", "reduced"])
 def test_mixed_batches_prefix_cache_and_preemption(models, plain, spec):
     """Greedy and sampled requests, with different lengths, in one run with a pool that forces
     preemption (recompute, then swap); twice, so the second run hits the prefix cache."""
@@ -221,6 +239,15 @@ def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(obs[keep], exp[keep]).pvalue)
 
 
+def forking_llm(target, draft, n: int) -> LLM:
+    """Draft-model speculation, k = 2, with a pool for each of ``n`` forks (no preemption: a
+    recomputed fork would not draft)."""
+    return LLM(target, dtype="float32", device="cpu", skip_tokenizer_init=True,
+               max_model_len=32, speculative_model=draft, num_speculative_tokens=2,
+               speculative_adaptive=False, seed=3, num_kv_blocks=n + 8, max_num_seqs=n,
+               max_num_batched_tokens=4 * n)
+
+
 def test_sampled_speculation_keeps_the_target_distribution(small_vocab, monkeypatch):
     """6000 three-token completions (n=6000 forks of one prompt, each drafting on its own after
     the first token) with draft-model speculation, against the exact joint distribution of the
@@ -232,11 +259,8 @@ def test_sampled_speculation_keeps_the_target_distribution(small_vocab, monkeypa
     prompt, temperature, n = [1, 4, 2, 7], 0.4, 6000
     exact = exact_three_token_distribution(target, prompt, temperature)
 
-    def make():   # a pool for every fork: no preemption (a recomputed fork would not draft)
-        return LLM(target, dtype="float32", device="cpu", skip_tokenizer_init=True,
-                   max_model_len=32, speculative_model=draft, num_speculative_tokens=2,
-                   speculative_adaptive=False, seed=3, num_kv_blocks=n + 8, max_num_seqs=n,
-                   max_num_batched_tokens=4 * n)
+    def make():
+        return forking_llm(target, draft, n)
 
     llm = make()
     counts = three_token_counts(llm, prompt, temperature, n)
@@ -415,6 +439,85 @@ def test_controller_turns_a_misaligned_draft_off_and_keeps_an_aligned_one(models
     good.generate(PROMPTS[:2], params)
     history = good.speculator.controller.history
     assert np.mean([k > 0 for k in history[8:]]) > 0.5, history
+
+
+@pytest.fixture(scope="module")
+def reduced_small_vocab(tmp_path_factory):
+    """A tied-embedding target over 8 tokens and its one-layer draft restricted to 6 of them,
+    borrowing the target's embedding (which is also its LM head): the shipped draft's form."""
+    root = tmp_path_factory.mktemp("v8r")
+    # Tied, the embedding's self-similarity makes a large logit scale repeat one token: 2
+    # spreads the mass (the excluded two hold 12-20% of each position's).
+    cfg = dict(vocab_size=8, bos_token_id=None, eos_token_id=None, logit_scale=2.0,
+               tie_word_embeddings=True)
+    target = make_checkpoint(root / "t", "llama", seed=5, tokenizer=False, scale_outputs=0.7,
+                             **cfg)
+    excluded = [1, 6]
+    draft = reduced_copy(first_layer_copy(target, root / "full"), root / "d",
+                         [t for t in range(8) if t not in excluded])
+    return target, draft, excluded
+
+
+def test_reduced_vocabulary_keeps_the_target_distribution(reduced_small_vocab, monkeypatch):
+    """As above, with a draft that drafts 6 of the 8 tokens: the 2 others must still come out
+    as often as the target samples them (rejection sampling's residual emits them). The power:
+    a loop that verified in the draft's vocabulary (the target's distribution cut to the
+    subset, as if the draft's zeros meant the tokens did not exist) must be rejected."""
+    target, draft, excluded = reduced_small_vocab
+    prompt, temperature, n = [1, 4, 2, 7], 0.7, 6000
+    exact = exact_three_token_distribution(target, prompt, temperature)
+    assert exact.sum(axis=(1, 2))[excluded].sum() > 0.05     # the test needs their mass
+    llm = forking_llm(target, draft, n)
+    counts = three_token_counts(llm, prompt, temperature, n)
+    m = llm.speculative_metrics()
+    assert m["num_drafts"] == n and llm.scheduler.num_preemptions == 0
+    assert 0.2 < m["acceptance_rate"] < 0.95, m
+    assert counts.sum(axis=(1, 2))[excluded].sum() > 0
+    assert chi_square_p(counts, exact) > 1e-4
+
+    import pagedspec.engine.core as core_module
+    original = core_module.verify_drafts
+
+    def in_draft_vocabulary(items):
+        for item in items:
+            item.logits = item.logits.clone()
+            item.logits[:, excluded] = float("-inf")
+        return original(items)
+
+    monkeypatch.setattr(core_module, "verify_drafts", in_draft_vocabulary)
+    wrong = three_token_counts(forking_llm(target, draft, n), prompt, temperature, n)
+    assert chi_square_p(wrong, exact) < 1e-6
+
+
+def test_reduced_draft_checkpoint_errors(models, tmp_path):
+    """A borrowing draft does not load alone; a bad draft_vocab.json is refused by name."""
+    from pagedspec.models import CheckpointError, load_checkpoint
+
+    ckpt = load_checkpoint(models["reduced"])
+    with pytest.raises(CheckpointError, match="loads only as a draft model"):
+        ckpt.load_model(torch.float32)
+    for ids, msg in (([], "non-empty list"), ([3, 2], "strictly ascending"),
+                     ([1, 1], "strictly ascending"), ([0, 320], "outside the vocabulary"),
+                     (["a"], "list of ints")):
+        bad = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(models["reduced"], bad)
+        (bad / "draft_vocab.json").write_text(json.dumps({"token_ids": ids}))
+        with pytest.raises(CheckpointError, match=msg):
+            make_llm({**models, "bad": bad}, "bad")
+    both = tmp_path / "both"
+    shutil.copytree(models["aligned"], both)
+    config = json.loads((both / "config.json").read_text())
+    config["pagedspec_borrowed_weights"] = ["model.embed_tokens.weight"]
+    (both / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="both stored and borrowed"):
+        make_llm({**models, "both": both}, "both")
+    lent = "model.layers.0.mlp.up_proj.weight"     # the target keeps it fused with the gate
+    config["pagedspec_borrowed_weights"] = [lent]
+    (both / "config.json").write_text(json.dumps(config))
+    tensors = load_file(both / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != lent}, both / "model.safetensors")
+    with pytest.raises(ValueError, match="cannot lend it.*does not keep it as stored"):
+        make_llm({**models, "both": both}, "both")
 
 
 def test_vocabulary_mismatch_is_refused(models, tmp_path):

@@ -191,7 +191,8 @@ class EngineCore:
                     config.prompt_lookup_max, config.prompt_lookup_min))
             else:
                 dc = draft_ckpt.config
-                self.draft_model = draft_ckpt.load_model(self.dtype, self.device)
+                self.draft_model = draft_ckpt.load_model(self.dtype, self.device,
+                                                         borrow=self._lend_to_draft)
                 draft_cache = KVCache(dc.num_layers, num_kv_blocks, block_size, dc.num_kv_heads,
                                       dc.head_size, cache_dtype, self.device, num_cpu_blocks)
                 scales = draft_ckpt.kv_scales() if draft_cache.is_fp8 else None
@@ -199,7 +200,8 @@ class EngineCore:
                     draft_cache.set_scales(*scales)
                 self.speculator = Speculator(controller, draft_model=DraftModelProposer(
                     self.draft_model, draft_cache, calibrate_fp8=draft_cache.is_fp8
-                    and scales is None, compile=config.compile))
+                    and scales is None, compile=config.compile,
+                    vocab=draft_ckpt.draft_vocab()))
         self.kv_budgets = KVBudgets(seed=config.seed)
         self.requests: dict[str, CoreRequest] = {}
         self._by_seq: dict[int, tuple[CoreRequest, int]] = {}   # seq id -> (request, index)
@@ -241,6 +243,14 @@ class EngineCore:
                                  f"differs from the target's ({self.checkpoint.path}); a draft "
                                  "must share the target's tokenizer")
         return draft
+
+    def _lend_to_draft(self, name: str) -> torch.Tensor:
+        """The target's tensor ``name`` for a draft that borrows it (shared, not copied)."""
+        try:
+            return self.model.loaded_weight(name)
+        except KeyError as exc:
+            raise ValueError(f"EngineConfig.speculative_model: the draft borrows {name!r} from "
+                             f"the target, which cannot lend it: {exc.args[0]}") from None
 
     def _set_kv_scales(self, kv_scales) -> bool:
         """Applies the FP8 scales; returns whether they are to be calibrated from the prefill."""

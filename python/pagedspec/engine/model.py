@@ -39,3 +39,8 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[T, vocab_size]`` of hidden states ``[T, hidden]``."""
         ...
+
+    def restrict_vocab(self, token_ids: torch.Tensor) -> None:
+        """Makes :meth:`compute_logits` return the logits of ``token_ids`` only (int64 ``[N]``)
+        and ``vocab_size`` N: a draft's reduced vocabulary."""
+        ...

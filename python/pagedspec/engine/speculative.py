@@ -121,10 +121,26 @@ def _first_writer_only(slot_mapping: torch.Tensor) -> torch.Tensor:
 class DraftModelProposer:
     """Drafts with ``model`` over ``kv_cache``, which has the target cache's block count and
     block size (the block tables are shared). Call :meth:`apply_moves` with every step's block
-    moves, drafting or not, so both caches stay in step."""
+    moves, drafting or not, so both caches stay in step.
+
+    ``vocab``: the draft's reduced vocabulary (int64 ``[N]`` token ids, ascending), or None for
+    the whole one. The draft then computes logits for those tokens only, and its distribution
+    is zero elsewhere: its tokens are drawn from, and its reported probabilities are, that
+    distribution, so verification stays exact (a target token outside the subset is never
+    drafted; rejection sampling still emits it through the residual ``max(p - q, 0)``)."""
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, calibrate_fp8: bool = False,
-                 compile: bool = False):
+                 compile: bool = False, vocab: Optional[torch.Tensor] = None):
+        self.full_vocab_size = model.vocab_size
+        self.vocab = None
+        if vocab is not None:
+            if (vocab.dim() != 1 or vocab.dtype != torch.int64 or vocab.numel() == 0
+                    or int(vocab.min()) < 0 or int(vocab.max()) >= model.vocab_size):
+                raise ValueError(f"DraftModelProposer: vocab must be int64 [N] token ids in "
+                                 f"[0, {model.vocab_size}), got {vocab.dtype} "
+                                 f"{list(vocab.shape)}")
+            model.restrict_vocab(vocab)
+            self.vocab = vocab.to(kv_cache.device)
         self.runner = ModelRunner(model, kv_cache, calibrate_fp8=calibrate_fp8, compile=compile)
         self.kv_cache, self.device = kv_cache, kv_cache.device
         self.block_size = kv_cache.key_caches[0].shape[1]
@@ -181,22 +197,34 @@ class DraftModelProposer:
                 max_q_len=max(q_lens), logits_indices=(cu[1:] - 1).long(),
                 block_ops=BlockOps.empty())
             start = time.perf_counter()
-            logits = self.runner.execute(step)
-            tokens = logits.argmax(dim=-1).tolist()     # waits for the device
+            logits = self.runner.execute(step)          # [n, N] on a reduced vocabulary
+            choice = logits.argmax(dim=-1)
             sampled = [a for a, i in enumerate(active) if requests[i].row.temperature > 0]
             if sampled:
                 dist = draft_distribution(logits[sampled],
                                           [requests[active[a]].row for a in sampled])
                 for b, a in enumerate(sampled):
                     r = requests[active[a]]
-                    tokens[a] = int(torch.multinomial(dist[b], 1, generator=r.generator))
+                    choice[a] = torch.multinomial(dist[b], 1, generator=r.generator)[0]
+                dist = self._full_vocab(dist)
+                for b, a in enumerate(sampled):
                     probs[active[a]].append(dist[b])
+            tokens = (choice if self.vocab is None else self.vocab[choice]).tolist()
             for a, i in enumerate(active):
                 drafts[i].append(tokens[a])
             self.pass_times.append((len(active), len(input_ids), time.perf_counter() - start))
         for r in requests:    # K/V written: up to the last token, then drafts 1 .. k-1
             self._computed[r.seq_id] = len(r.token_ids) + r.k - 1
         return drafts, [torch.stack(p) if p else None for p in probs]
+
+    def _full_vocab(self, dist: torch.Tensor) -> torch.Tensor:
+        """Distributions ``[n, N]`` over the reduced vocabulary as ``[n, V]`` over the whole,
+        zero outside it."""
+        if self.vocab is None:
+            return dist
+        full = dist.new_zeros((dist.shape[0], self.full_vocab_size))
+        full[:, self.vocab] = dist
+        return full
 
     def on_verified(self, seq_id: int, num_tokens_before: int, k: int, accepted: int) -> None:
         """After verification: the draft K/V of rejected drafts are stale."""

@@ -275,3 +275,20 @@ class LlamaForCausalLM:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()
+
+    def restrict_vocab(self, token_ids: torch.Tensor) -> None:
+        """From now on :meth:`compute_logits` gives the logits of ``token_ids`` only (int64
+        ``[N]``, column j for token ``token_ids[j]``) and ``vocab_size`` is N: a draft model's
+        reduced vocabulary, whose LM head costs N / V of the full one."""
+        self.lm_head = self.lm_head[token_ids.to(self.device)].contiguous()
+        self.vocab_size = token_ids.numel()
+
+    def loaded_weight(self, name: str) -> torch.Tensor:
+        """The tensor the model holds for checkpoint tensor ``name``, in its dtype on its
+        device, for those it keeps as stored (the embedding, the final norm): what a draft
+        borrows from its target (:attr:`Checkpoint.borrowed_weights`) without a copy."""
+        held = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if name not in held:
+            raise KeyError(f"{name!r}: the model does not keep it as stored; it keeps "
+                           f"{', '.join(held)}")
+        return held[name]

@@ -16,7 +16,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -25,6 +25,11 @@ from pagedspec.models import llama
 # architecture name in config.json -> (config parser, model class)
 _ARCHITECTURES = {name: (llama.LlamaConfig, llama.LlamaForCausalLM)
                   for name in llama.ARCHITECTURES}
+
+# config.json key listing the tensors a draft takes from its target (Checkpoint.borrowed_weights)
+BORROWED_KEY = "pagedspec_borrowed_weights"
+# a draft's reduced vocabulary, beside its config.json (Checkpoint.draft_vocab)
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 # dtype names as config.json and the LLM API spell them
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
@@ -182,10 +187,61 @@ class Checkpoint:
         files = getattr(self.weights, "files", None)
         return files if files is not None else {n: self.path for n in self.weights.names()}
 
-    def load_model(self, dtype: torch.dtype, device: torch.device | str = "cpu"):
-        """Builds the model on ``device`` in ``dtype``, checking every tensor's name and shape."""
+    @property
+    def borrowed_weights(self) -> tuple[str, ...]:
+        """Tensors the checkpoint takes from its target model instead of storing them
+        (config.json's ``pagedspec_borrowed_weights``): a draft that reuses the target's
+        embedding, e.g., ships without its largest tensor."""
+        names = self.raw_config.get(BORROWED_KEY) or []
+        where = self.path / "config.json"
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise CheckpointError(f"{where}: {BORROWED_KEY} must be a list of tensor names, got "
+                                  f"{names!r}")
         expected = self.config.weight_shapes()
+        unknown = [n for n in names if n not in expected]
+        if unknown:
+            raise CheckpointError(f"{where}: {BORROWED_KEY} names {unknown[0]!r}, which is not a "
+                                  f"tensor of {self.architecture} with this configuration")
+        return tuple(names)
+
+    def draft_vocab(self) -> Optional[torch.Tensor]:
+        """The token ids a draft model drafts from (``draft_vocab.json`` beside config.json:
+        ``{"token_ids": [ascending ids]}``), int64 ``[N]``, or None (the whole vocabulary).
+        Restricting the draft's LM head to the frequent tokens makes its pass several times
+        cheaper; its distribution is zero outside them."""
+        path = self.path / DRAFT_VOCAB_FILE if self.path.is_dir() else None
+        if path is None or not path.is_file():
+            return None
+        ids = _read_json(path).get("token_ids")
+        V = self.config.vocab_size
+        if (not isinstance(ids, list) or not ids
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            raise CheckpointError(f"{path}: token_ids must be a non-empty list of ints")
+        bad = next((i for i in ids if not 0 <= i < V), None)
+        if bad is not None:
+            raise CheckpointError(f"{path}: token id {bad} is outside the vocabulary [0, {V})")
+        if any(a >= b for a, b in zip(ids, ids[1:])):
+            raise CheckpointError(f"{path}: token_ids must be strictly ascending (each id once)")
+        return torch.tensor(ids, dtype=torch.int64)
+
+    def load_model(self, dtype: torch.dtype, device: torch.device | str = "cpu",
+                   borrow: Optional[Callable[[str], torch.Tensor]] = None):
+        """Builds the model on ``device`` in ``dtype``, checking every tensor's name and shape.
+        ``borrow(name)`` supplies the :attr:`borrowed_weights` (a target model's tensors; one
+        already in ``dtype`` on ``device`` is shared, not copied)."""
+        expected = self.config.weight_shapes()
+        borrowed = set(self.borrowed_weights)
+        if borrowed and borrow is None:
+            raise CheckpointError(
+                f"{self.path}: takes {sorted(borrowed)[0]!r} from its target model "
+                f"({BORROWED_KEY} in config.json), so it loads only as a draft model "
+                "(speculative_model=...) beside the target that supplies it")
         present = self.weights.names()
+        both = sorted(borrowed & present)
+        if both:
+            raise CheckpointError(f"{self.path}: {both[0]!r} is both stored and borrowed from "
+                                  f"the target ({BORROWED_KEY}); keep one")
+        present = present | borrowed
         missing = sorted(set(expected) - present)
         if missing:
             stored = self.weights.stored_name(missing[0])
@@ -201,6 +257,13 @@ class Checkpoint:
                                   f"({len(extra)} unexpected in all)")
 
         def get_weight(name: str) -> torch.Tensor:
+            if name in borrowed:
+                tensor = borrow(name)
+                if tuple(tensor.shape) != expected[name]:
+                    raise CheckpointError(f"{self.path}: the target's {name!r} (borrowed) has "
+                                          f"shape {list(tensor.shape)}, expected "
+                                          f"{list(expected[name])}")
+                return tensor
             tensor = self.weights.get(name)
             if tuple(tensor.shape) != expected[name]:
                 raise CheckpointError(f"{self.weights.location(name)} has shape "
