@@ -6,7 +6,7 @@ speedup over the pure-PyTorch reference; it prints a table and writes results.js
 results.md and results.png into the output folder. Then the end-to-end section
 (:mod:`pagedspec.bench.e2e`, ``--op e2e`` alone, ``--no-e2e`` skips it) adds an "e2e" list to
 results.json, an "End to end" table to results.md, and e2e.png; when a draft model is known (the
-shipped demo pair, or ``--draft-model``) the speculative section (:mod:`pagedspec.bench.e2e_spec`)
+shipped SmolLM2 draft or demo pair, or ``--draft-model``) the speculative section (:mod:`pagedspec.bench.e2e_spec`)
 follows, as "e2e_speculative" and its own table.
 """
 from __future__ import annotations
@@ -112,7 +112,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     e2e.add_arguments(parser)
     parser.add_argument("--draft-model", default=None,
                         help="draft checkpoint for the speculative end-to-end section (default: "
-                             f"{e2e_spec.DEMO_DRAFT} when the target is the demo model)")
+                             f"{e2e_spec.SMOLLM2_DRAFT} when the target is "
+                             f"{e2e_spec.SMOLLM2_TARGET}, {e2e_spec.DEMO_DRAFT} when it is the "
+                             "demo model)")
     args = parser.parse_args(argv)
 
     device = resolve_device(args.device)
