@@ -282,3 +282,26 @@ def test_logits_on_cuda_as_close_as_transformers(checkpoint_dirs, gen, name):
     err_ours = (ours.cpu() - exact).abs().max().item()
     err_theirs = (theirs - exact).abs().max().item()
     assert err_ours <= 2 * err_theirs + 1e-3 * exact.abs().max().item(), (err_ours, err_theirs)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+def test_prepacked_weights_compute_the_same_logits(checkpoint_dirs, gen):
+    """Eager float32 CPU runners put the projections and LM head in oneDNN's layout: the
+    logits move by float32 rounding only (a wrong layout or transposition moves them by O(1)),
+    the half-precision and compiled paths keep plain weights, and a vocabulary is restricted
+    before packing or not at all."""
+    from checkpoints import dense_forward
+
+    path = checkpoint_dirs["llama-gqa4"]
+    tokens = torch.randint(0, BASE["vocab_size"], (12,), generator=gen).tolist()
+    model = load_checkpoint(path).load_model(torch.float32)
+    with torch.no_grad():
+        plain = model.compute_logits(dense_forward(model, tokens))
+        assert model.prepack_weights() and model.layers[0].qkv.is_mkldnn
+        assert not model.prepack_weights()                   # once
+        packed = model.compute_logits(dense_forward(model, tokens))
+    scale = plain.abs().max().item()
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5 * scale)
+    with pytest.raises(RuntimeError, match="before prepack_weights"):
+        model.restrict_vocab(torch.arange(10))
+    assert not load_checkpoint(path).load_model(torch.bfloat16).prepack_weights()

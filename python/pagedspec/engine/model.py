@@ -40,6 +40,11 @@ class CausalLM(Protocol):
         """Float32 logits ``[T, vocab_size]`` of hidden states ``[T, hidden]``."""
         ...
 
+    def prepack_weights(self) -> bool:
+        """Re-lays weights out for the device's fastest eager products where that helps;
+        returns whether it did. The runner calls it for eager (not compiled) models."""
+        ...
+
     def restrict_vocab(self, token_ids: torch.Tensor) -> None:
         """Makes :meth:`compute_logits` return the logits of ``token_ids`` only (int64 ``[N]``)
         and ``vocab_size`` N: a draft's reduced vocabulary."""

@@ -76,6 +76,7 @@ class ModelRunner:
         self._written_cpu: set[int] = set()
         self.num_steps = 0             # forward passes run (the target model's step count)
         self.compiled = bool(compile)
+        self.prepacked = not compile and model.prepack_weights()
         self._forward = self._eager_forward
         if compile:
             # Every runner (target, draft) shares _eager_forward's code object, whose graphs

@@ -11,6 +11,7 @@ rounding of the matrix products. Projections that read the same input are fused 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
@@ -125,6 +126,25 @@ class LlamaConfig:
         (``self_attn.k_scale`` / ``v_scale``) are read by the loader, not the model."""
         return (name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"
                 or name.endswith(("self_attn.k_scale", "self_attn.v_scale")))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+           ) -> torch.Tensor:
+    """``F.linear``, or oneDNN's product for a weight :func:`_prepacked` for it."""
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+# oneDNN's layout hint (rows per product). Any row count runs on the layout; a hint of 1 picks
+# a matrix-vector layout on which 2-17 rows cost as much as with F.linear, any hint from 2 to 64
+# one on which they cost 1.25-1.6x less, and one row the same (MILAN-VM, float32, 2026-12-07).
+PREPACK_ROWS_HINT = 16
+
+
+def _prepacked(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[N, K]`` in oneDNN's blocked layout for the CPU (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PREPACK_ROWS_HINT)
 
 
 def _rope_parameters(cfg: Mapping, source: str) -> tuple[float, Optional[dict]]:
@@ -263,25 +283,45 @@ class LlamaForCausalLM:
         h = self.embed[input_ids]
         for i, w in enumerate(self.layers):
             x = self._rms_norm(h, w.input_norm)
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            qkv = linear(x, w.qkv, w.qkv_bias)
             qk = self._rope(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin)
             v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
             out = attend(i, qk[:, :Hq], qk[:, Hq:], v)
-            h = h + F.linear(out.reshape(T, Hq * D), w.o, w.o_bias)
+            h = h + linear(out.reshape(T, Hq * D), w.o, w.o_bias)
             x = self._rms_norm(h, w.post_norm)
-            gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+            gate, up = linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, w.down, w.down_bias)
         return self._rms_norm(h, self.norm)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     def restrict_vocab(self, token_ids: torch.Tensor) -> None:
         """From now on :meth:`compute_logits` gives the logits of ``token_ids`` only (int64
         ``[N]``, column j for token ``token_ids[j]``) and ``vocab_size`` is N: a draft model's
-        reduced vocabulary, whose LM head costs N / V of the full one."""
+        reduced vocabulary, whose LM head costs N / V of the full one. Before
+        :meth:`prepack_weights`."""
+        if self.lm_head.is_mkldnn:
+            raise RuntimeError("LlamaForCausalLM.restrict_vocab: call it before prepack_weights")
         self.lm_head = self.lm_head[token_ids.to(self.device)].contiguous()
         self.vocab_size = token_ids.numel()
+
+    def prepack_weights(self) -> bool:
+        """Re-lays the projection and LM head matrices out for oneDNN's CPU GEMM, where that is
+        faster (float32 on a CPU with oneDNN); returns whether it did. For eager CPU steps only
+        (``torch.compile`` wants plain weights): small-M products, a verification's 2-9 rows
+        per sequence above all, then cost far less than ``F.linear``'s, whose BLAS re-packs the
+        whole matrix on every call (measured in PERFORMANCE.md). The results differ from
+        ``F.linear``'s by float32 rounding only."""
+        if (self.device.type != "cpu" or self.dtype != torch.float32
+                or not torch.backends.mkldnn.is_available() or self.lm_head.is_mkldnn):
+            return False
+        pack = _prepacked
+        self.layers = [dataclasses.replace(w, qkv=pack(w.qkv), o=pack(w.o),
+                                           gate_up=pack(w.gate_up), down=pack(w.down))
+                       for w in self.layers]
+        self.lm_head = pack(self.lm_head)
+        return True
 
     def loaded_weight(self, name: str) -> torch.Tensor:
         """The tensor the model holds for checkpoint tensor ``name``, in its dtype on its
