@@ -294,7 +294,9 @@ def spec_row(llm, cfg: Config, runs: list[Timed], plain: list[Timed], plain_toke
            "mean_acceptance_length": m["mean_acceptance_length"],
            "mean_k": sum(history) / len(history) if history else 0.0,
            "draft_s_per_step": m["draft_seconds_per_step"],
-           "target_s_per_step": m["target_seconds_per_step"], "plain_s_per_step": t_step}
+           "target_s_per_step": m["target_seconds_per_step"], "plain_s_per_step": t_step,
+           "catch_up_tokens_per_step": m["catch_up_tokens"] / max(m["num_steps"], 1),
+           "catch_up_share": m["catch_up_seconds"] / sum(r.seconds for r in runs)}
     if greedy:
         row["agree"] = sum(a == b for a, b in zip(runs[-1].tokens, plain_tokens)) / len(
             plain_tokens)
@@ -432,6 +434,8 @@ def progress_line(row: dict) -> str:
                  f"len {row['mean_acceptance_length']:4.2f}  mean k {row['mean_k']:4.2f}")
         if "predicted_speedup" in row:
             line += f"  predicted {row['predicted_speedup']:5.2f}x"
+        if row.get("catch_up_share"):
+            line += f"  catch-up {row['catch_up_share']:.1%}"
     return line
 
 
@@ -448,24 +452,26 @@ def markdown_table(report: SpecReport) -> str:
              f"runs {s['batch1_prompts']} prompts one at a time. Speedup: output tokens/s over "
              f"plain decoding's, medians of {s['repeats']} alternating runs; predicted: from "
              "the run's measured draft/target costs and acceptance per position; draft pass: "
-             "one draft-model pass over one plain target step.", ""]
+             "one draft-model pass over one plain target step; catch-up: the share of the "
+             "time the draft spent feeding sequences the tokens its cache lacked.", ""]
     for name, w in s["workloads"].items():
         lines.append(f"- {name}: {w['description']} ({min(w['prompt_tokens'])}-"
                      f"{max(w['prompt_tokens'])} prompt tokens)")
     lines += ["", "| workload | T | batch | config | tok/s | speedup | predicted | acceptance "
-              "per position | mean accepted length | mean k | draft pass | same as plain |",
-              "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+              "per position | mean accepted length | mean k | draft pass | catch-up | same as "
+              "plain |", "|---|---:|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in report.rows:
         head = f"| {r['workload']} | {r['temperature']:g} | {r['batch']} | {r['config']} | "
         if "speedup" not in r:
-            lines.append(head + f"{r['output_tok_s']:,.1f} | 1.00x | | | | 0 | | |")
+            lines.append(head + f"{r['output_tok_s']:,.1f} | 1.00x | | | | 0 | | | |")
             continue
         pred = f"{r['predicted_speedup']:.2f}x" if "predicted_speedup" in r else ""
         cost = f"{r['draft_pass_over_step']:.1%}" if "draft_pass_over_step" in r else ""
         agree = f"{r['agree']:.0%}" if "agree" in r else ""
+        catch_up = f"{r['catch_up_share']:.1%}" if r.get("catch_up_share") else ""
         lines.append(head + f"{r['output_tok_s']:,.1f} | {r['speedup']:.2f}x | {pred} | "
                      f"{_per_position(r)} | {r['mean_acceptance_length']:.2f} | "
-                     f"{r['mean_k']:.2f} | {cost} | {agree} |")
+                     f"{r['mean_k']:.2f} | {cost} | {catch_up} | {agree} |")
     if report.peer:
         lines += ["", "transformers at batch 1, greedy (same prompts and lengths, one at a "
                   "time): " + "; ".join(f"{r['workload']} {r['config']} "

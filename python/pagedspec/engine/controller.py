@@ -92,6 +92,11 @@ class SpecStats:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     num_steps: int = 0
+    # A draft model's first pass of a step feeds each sequence the tokens its cache lacks: one
+    # normally, more after a pause (k = 0 steps, a prefix-cache hit, a new request). Tokens
+    # beyond one per sequence, and that pass's seconds when it fed any.
+    catch_up_tokens: int = 0
+    catch_up_seconds: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -113,6 +118,8 @@ class SpecStats:
                 "acceptance_rate_per_position": per_pos,
                 "draft_seconds_per_step": self.draft_seconds / max(self.num_steps, 1),
                 "target_seconds_per_step": self.target_seconds / max(self.num_steps, 1),
+                "catch_up_tokens": self.catch_up_tokens,
+                "catch_up_seconds": self.catch_up_seconds,
                 "num_steps": self.num_steps}
 
 

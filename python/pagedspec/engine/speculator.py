@@ -111,6 +111,10 @@ class Speculator:
         # Python bookkeeping around the passes spread over them; the first pass also catches
         # the draft cache up, which costs more the first time (the prompt): it is left out then.
         passes = model.pass_times
+        seqs, tokens, seconds = passes[0]
+        if tokens > seqs:
+            self.stats.catch_up_tokens += tokens - seqs
+            self.stats.catch_up_seconds += seconds
         extra = (total - sum(t for _, _, t in passes)) / len(passes)
         for num_seqs, num_tokens, seconds in passes:
             if num_tokens <= 2 * num_seqs:
