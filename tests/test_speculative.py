@@ -529,3 +529,29 @@ def test_vocabulary_mismatch_is_refused(models, tmp_path):
         make_llm({**models, "short": short}, "short")
     with pytest.raises(ValueError, match="num_speculative_tokens must be"):
         make_llm(models, "ngram", num_speculative_tokens=0)
+
+
+def test_learning_steps_draft_with_the_most_current_draft_caches():
+    """A learning step (warm-up, exploration) drafts for a quarter of the batch: with a draft
+    model, the sequences whose draft caches lack the fewest tokens (ties in rotation), so
+    exploring after a long run of k = 0 does not feed the draft whole sequences; with n-gram
+    drafts, in rotation, so every request gets measured."""
+    from types import SimpleNamespace
+
+    from pagedspec.engine.speculator import Speculator
+
+    seqs = [SimpleNamespace(seq_id=i, token_ids=[0] * 100) for i in range(8)]
+    computed = {0: 10, 1: 99, 2: 50, 3: 99, 4: 0, 5: 98, 6: 60, 7: 97}
+    draft = SimpleNamespace(computed_tokens=lambda seq_id: computed[seq_id])
+    controller = SpeculationController(4)
+    spec = Speculator(controller, draft_model=draft)
+    assert spec._learners(seqs, 2) == {1, 3}
+    assert spec._learners(seqs, 4) == {1, 3, 5, 7}
+    ngram = Speculator(controller, ngram=NgramProposer())
+    seen = set()
+    for step in range(4):
+        controller.steps = step
+        chosen = ngram._learners(seqs, 2)
+        assert len(chosen) == 2
+        seen |= chosen
+    assert seen == set(range(8))

@@ -59,9 +59,7 @@ class Speculator:
                 self.ngram.update(seq.seq_id, seq.token_ids)
         limit = self.controller.draft_limit
         if k and limit is not None and limit < len(decoding):
-            first = self.controller.steps * limit % len(decoding)     # rotate who learns
-            chosen = set(range(first, first + limit)) | set(range(first + limit - len(decoding)))
-            room = [r if i in chosen else 0 for i, r in enumerate(room)]
+            room = [r if i in self._learners(decoding, limit) else 0 for i, r in enumerate(room)]
         if not k:
             return
         start = time.perf_counter()
@@ -74,6 +72,23 @@ class Speculator:
             seconds = time.perf_counter() - start
             self.controller.observe_draft(len(decoding), seconds)
             self.stats.draft_seconds += seconds
+
+    def _learners(self, decoding: Seq[Sequence], limit: int) -> set[int]:
+        """The ``limit`` sequences (indices into ``decoding``) that draft in a learning step
+        (warm-up, exploration). N-gram drafts cost nothing to start: the choice rotates, so
+        every request's acceptance gets measured. A draft model must first feed a sequence
+        every token its cache lacks, which after a long run of k = 0 steps is every token
+        since the sequence last drafted (with rotation, four explorations back; a new
+        sequence's whole prompt): it takes the sequences whose caches are the most current,
+        in rotation among equals."""
+        n = len(decoding)
+        first = self.controller.steps * limit % n
+        order = [(first + i) % n for i in range(n)]              # rotate who learns
+        if self.draft_model is not None:
+            model = self.draft_model
+            order.sort(key=lambda i: len(decoding[i].token_ids)
+                       - model.computed_tokens(decoding[i].seq_id))
+        return set(order[:limit])
 
     def draft(self, batch: StepBatch, lookup: SeqLookup, synchronize: Callable[[float], float]
               ) -> list[Optional[torch.Tensor]]:
