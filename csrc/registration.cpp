@@ -200,39 +200,45 @@ TORCH_LIBRARY(pagedspec, m) {
 #define PAGEDSPEC_CUDA_VERSION ""
 #endif
 
-// _C.cpu_isa(): the CPU kernels' ISA level in use now (PAGEDSPEC_CPU_ISA or the best here).
-static PyObject* cpu_isa_in_use(PyObject*, PyObject*) {
+// The CPU configuration now (cpu/isa.h), or a Python RuntimeError for a bad environment value.
+static bool read_cpu_config(pagedspec::CpuConfig* config) {
   try {
-    return PyUnicode_FromString(pagedspec::cpu_isa_name(pagedspec::cpu_isa()));
+    *config = pagedspec::cpu_config();
+    return true;
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
+    return false;
   }
 }
 
-// _C.cpu_amx(): whether the avx512 level's attention uses AMX tile multiplies now.
-static PyObject* cpu_amx_in_use(PyObject*, PyObject*) {
-  return PyBool_FromLong(pagedspec::amx_available() ? 1 : 0);
+// _C.cpu_config(): the whole CPU configuration in use now, as a dict (build_info()["cpu"]).
+static PyObject* cpu_config_in_use(PyObject*, PyObject*) {
+  pagedspec::CpuConfig c;
+  if (!read_cpu_config(&c)) return nullptr;
+  return Py_BuildValue("{s:s,s:O,s:O,s:O,s:O,s:O}", "isa", pagedspec::cpu_isa_name(c.isa),
+                       "amx", c.amx ? Py_True : Py_False, "amx_decode",
+                       c.amx_decode ? Py_True : Py_False, "bf16_dot",
+                       c.bf16_dot ? Py_True : Py_False, "fp8_images",
+                       c.fp8_images ? Py_True : Py_False, "avx512_vbmi",
+                       c.avx512_vbmi ? Py_True : Py_False);
 }
 
-// _C.cpu_bf16_dot() / cpu_bf16_dot_fp8(): whether the avx512 level's attention on bf16 / FP8
-// caches uses vdpbf16ps now (for the tasks the AMX paths leave). One answer for both since the
-// opt-in covers both caches; the two names stay for build_info's keys.
-static PyObject* cpu_bf16_dot_in_use(PyObject*, PyObject*) {
-  return PyBool_FromLong(pagedspec::cpu_bf16_dot() ? 1 : 0);
-}
-
-// _C.cpu_fp8_images(): whether the FMA path at the level in use reads FP8 tiles as images now.
-static PyObject* cpu_fp8_images_in_use(PyObject*, PyObject*) {
-  try {
-    return PyBool_FromLong(pagedspec::cpu_fp8_images(pagedspec::cpu_isa()) ? 1 : 0);
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
+// _C.cpu_isa(), cpu_amx(), cpu_bf16_dot() / cpu_bf16_dot_fp8() (one answer: the opt-in covers
+// both caches), cpu_fp8_images(): single fields of the configuration, as build_info's keys.
+#define PAGEDSPEC_CPU_CONFIG_FIELD(NAME, EXPR)            \
+  static PyObject* NAME(PyObject*, PyObject*) {           \
+    pagedspec::CpuConfig c;                               \
+    if (!read_cpu_config(&c)) return nullptr;             \
+    return EXPR;                                          \
   }
-}
+PAGEDSPEC_CPU_CONFIG_FIELD(cpu_isa_in_use, PyUnicode_FromString(pagedspec::cpu_isa_name(c.isa)))
+PAGEDSPEC_CPU_CONFIG_FIELD(cpu_amx_in_use, PyBool_FromLong(c.amx))
+PAGEDSPEC_CPU_CONFIG_FIELD(cpu_bf16_dot_in_use, PyBool_FromLong(c.bf16_dot))
+PAGEDSPEC_CPU_CONFIG_FIELD(cpu_fp8_images_in_use, PyBool_FromLong(c.fp8_images))
+#undef PAGEDSPEC_CPU_CONFIG_FIELD
 
 static PyMethodDef kMethods[] = {
+    {"cpu_config", cpu_config_in_use, METH_NOARGS, "The CPU kernels' configuration in use."},
     {"cpu_isa", cpu_isa_in_use, METH_NOARGS, "The CPU kernels' ISA level in use."},
     {"cpu_amx", cpu_amx_in_use, METH_NOARGS, "Whether CPU attention uses AMX now."},
     {"cpu_bf16_dot", cpu_bf16_dot_in_use, METH_NOARGS,

@@ -278,6 +278,43 @@ def test_levels_are_reported(monkeypatch):
         "the best level runs by default"
 
 
+def test_one_configuration_reported_whole(monkeypatch):
+    """build_info()["cpu"] is the configuration the kernels resolve per call, the cpu_* keys
+    its fields; a change of the environment shows at the next call."""
+    for name in ("PAGEDSPEC_CPU_ISA", "PAGEDSPEC_CPU_AMX", "PAGEDSPEC_CPU_AMX_DECODE",
+                 "PAGEDSPEC_CPU_BF16_DOT", "PAGEDSPEC_CPU_FP8_IMAGES"):
+        monkeypatch.delenv(name, raising=False)
+    info = pagedspec.build_info()
+    cpu = info["cpu"]
+    assert set(cpu) == {"isa", "amx", "amx_decode", "bf16_dot", "fp8_images", "avx512_vbmi"}
+    assert (info["cpu_isa"], info["cpu_amx"], info["cpu_bf16_dot"], info["cpu_fp8_images"]) == (
+        cpu["isa"], cpu["amx"], cpu["bf16_dot"], cpu["fp8_images"])
+    assert cpu["fp8_images"] == (cpu["isa"] == "avx2" or (cpu["isa"] == "avx512"
+                                                         and cpu["avx512_vbmi"]))
+    monkeypatch.setenv("PAGEDSPEC_CPU_FP8_IMAGES", "0")
+    assert not pagedspec.build_info()["cpu"]["fp8_images"]
+    monkeypatch.setenv("PAGEDSPEC_CPU_ISA", "baseline")
+    assert pagedspec.build_info()["cpu"]["isa"] == "baseline"
+    print(f"CPU configuration by default here: {cpu}")
+
+
+@pytest.mark.parametrize("name, value, accepted", [
+    ("PAGEDSPEC_CPU_AMX", "yes", "0, 1"), ("PAGEDSPEC_CPU_AMX_DECODE", "2", "0, 1"),
+    ("PAGEDSPEC_CPU_BF16_DOT", "true", "0, 1"), ("PAGEDSPEC_CPU_FP8_IMAGES", "off", "0, 1"),
+    ("PAGEDSPEC_CPU_ISA", "avx9", "baseline, avx2, avx512")])
+def test_one_grammar_for_every_setting(gen, monkeypatch, name, value, accepted):
+    """Every setting is unset, 0 or 1 (the level: its name); anything else fails the call with
+    the variable and what it accepts, in build_info and in an attention call alike."""
+    monkeypatch.setenv(name, value)
+    message = f"{name} must be one of {accepted} \\(or unset\\), got '{value}'"
+    with pytest.raises(RuntimeError, match=message):
+        pagedspec.build_info()
+    case = Case(gen, seq_lens=[20], q_lens=[1], num_heads=4, num_kv_heads=2, head_size=64,
+                block_size=16, dtype=torch.float32, cache_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match=message):
+        case.run(ops.paged_attention)
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("row", GRID, ids=[_grid_id(r) for r in GRID])
 def test_attention_grid_at_every_level(gen, level, variant, row):
@@ -501,7 +538,8 @@ def test_forcing_an_unknown_or_missing_level_is_an_error(gen, monkeypatch):
     case = Case(gen, seq_lens=[10], q_lens=[1], num_heads=4, num_kv_heads=2, head_size=64,
                 block_size=8, dtype=torch.float32)
     monkeypatch.setenv("PAGEDSPEC_CPU_ISA", "sse9")
-    with pytest.raises(RuntimeError, match="PAGEDSPEC_CPU_ISA must be baseline, avx2 or avx512"):
+    with pytest.raises(RuntimeError,
+                       match="PAGEDSPEC_CPU_ISA must be one of baseline, avx2, avx512"):
         case.run(ops.paged_attention)
     missing = [x for x in INFO["cpu_isa_levels"] if x not in INFO["cpu_isa_supported"]]
     if missing:

@@ -1,4 +1,4 @@
-// AMX bf16 scores (cpu/amx.h). Compiled with the AMX target; called only when amx_available().
+// AMX bf16 scores (cpu/amx.h). Compiled with the AMX target; called only where CpuConfig::amx allows.
 #include "cpu/amx.h"
 
 #if defined(__x86_64__)
@@ -60,26 +60,6 @@ bool amx_supported() {
   static const bool supported = cpu_has_amx_bf16() &&
       syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return supported;
-}
-
-namespace {
-// Whether the environment variable `name` is unset or not "0" (read at every call, as
-// PAGEDSPEC_CPU_ISA).
-bool not_turned_off(const char* name) {
-  const char* env = std::getenv(name);
-  return env == nullptr || std::string(env) != "0";
-}
-// Whether the environment variable `name` is "1" (read at every call).
-bool turned_on(const char* name) {
-  const char* env = std::getenv(name);
-  return env != nullptr && std::string(env) == "1";
-}
-}  // namespace
-
-bool amx_available() { return turned_on("PAGEDSPEC_CPU_AMX") && amx_supported(); }
-
-bool amx_decode_available() {
-  return not_turned_off("PAGEDSPEC_CPU_AMX_DECODE") && amx_available();
 }
 
 void amx_pack_queries(const uint16_t* const* q_rows, int num_rows, int D, uint16_t* vnni) {
@@ -546,14 +526,12 @@ void amx_decode_result(const AmxDecode& s, float* out) {
 
 }  // namespace pagedspec
 
-#else  // not x86-64: no AMX; the kernels never call the tile functions (amx_available() is false)
+#else  // not x86-64: no AMX; the kernels never call the tile functions (CpuConfig::amx is false)
 
 #include <cstdlib>
 
 namespace pagedspec {
 bool amx_supported() { return false; }
-bool amx_available() { return false; }
-bool amx_decode_available() { return false; }
 void amx_pack_queries(const uint16_t* const*, int, int, uint16_t*) { std::abort(); }
 void amx_begin() { std::abort(); }
 void amx_end() { std::abort(); }

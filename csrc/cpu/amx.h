@@ -17,14 +17,7 @@ constexpr int kAmxDims = 32;       // head dimensions per tile multiply (64 byte
 // Whether the CPU has AMX-TILE and AMX-BF16 and the OS granted this process the tile data state
 // (Linux arch_prctl, asked once).
 bool amx_supported();
-// Whether the AMX path may run now: amx_supported() and PAGEDSPEC_CPU_AMX=1 (read at every call,
-// so tests can compare both paths; the AMX path also needs the avx512 level). Opt-in: its P.V
-// multiplies bf16-rounded probabilities (2^-9 relative error per weight), outside the contract's
-// float32-level bound, so the default is the FMA path.
-bool amx_available();
-// Whether the decode path (AmxDecode below) may run now: amx_available() and
-// PAGEDSPEC_CPU_AMX_DECODE is not 0 (read at every call, for tests and comparisons).
-bool amx_decode_available();
+// Whether the AMX paths may run is CpuConfig::amx / amx_decode (cpu/isa.h).
 
 // Query rows in the layout the tile multiply reads (VNNI pairs): for row block b, dimension pair
 // p and row n, (q[16 b + n][2 p], q[16 b + n][2 p + 1]) at vnni[((b * D / 2 + p) * 16 + n) * 2].

@@ -42,16 +42,18 @@ PlanRequest cpu_plan_request(int64_t num_seqs, int64_t num_heads, int64_t num_kv
 }
 
 // Runs one validated call through a plan: the caller's (paged_attention_run), or one built here
-// from the host-resident lengths, with the kernel of the ISA level in use.
+// from the host-resident lengths, with the kernel of the ISA level in use and the paths the CPU
+// configuration allows (resolved once for the call).
 void run_planned(const char* op, at::Tensor& out, const at::Tensor& query,
                  const at::Tensor& key_cache, const at::Tensor& value_cache,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
                  const at::Tensor& cu_seqlens_q, double scale,
                  const c10::optional<at::Tensor>& lse, const c10::optional<at::Tensor>& attn_mass,
                  const AttentionArgs& args, const PlanView& plan, float* workspace) {
-  PAGEDSPEC_CPU_CALL(run_planned_attention, op, out, query, key_cache, value_cache,
-                     block_tables, seq_lens, cu_seqlens_q, scale, lse, attn_mass, args, plan,
-                     workspace);
+  const CpuConfig config = cpu_config();
+  PAGEDSPEC_CPU_CALL_AT(config.isa, run_planned_attention, op, out, query, key_cache,
+                        value_cache, block_tables, seq_lens, cu_seqlens_q, scale, lse, attn_mass,
+                        args, plan, workspace, config);
 }
 
 void paged_attention_cpu_impl(const char* op, Variant variant, at::Tensor& out,

@@ -61,13 +61,13 @@ void run_planned_attention(const char* op, at::Tensor& out, const at::Tensor& qu
                            const at::Tensor& cu_seqlens_q, double scale,
                            const c10::optional<at::Tensor>& lse,
                            const c10::optional<at::Tensor>& attn_mass, const AttentionArgs& args,
-                           const PlanView& plan, float* workspace) {
+                           const PlanView& plan, float* workspace, const CpuConfig& config) {
   PAGEDSPEC_DISPATCH_ACTIVATION(query.scalar_type(), op, "query", [&] {
     PAGEDSPEC_DISPATCH_CACHE_FORMAT(args.format, [&] {
       auto p = make_attention_params<scalar_t, cache_t>(out, query, key_cache, value_cache,
                                                         block_tables, seq_lens, cu_seqlens_q,
                                                         scale, lse, attn_mass, args);
-      run_cpu<scalar_t, cache_t, kCacheFormat>(p, args, plan, workspace, query);
+      run_cpu<scalar_t, cache_t, kCacheFormat>(p, args, plan, workspace, query, config);
     });
   });
 }

@@ -1,8 +1,11 @@
 #include "cpu/isa.h"
 
+#include "cpu/amx.h"
+
 #include <c10/util/Exception.h>
 
 #include <cstdlib>
+#include <initializer_list>
 #include <string>
 
 namespace pagedspec {
@@ -38,20 +41,27 @@ CpuIsa best_cpu_isa() {
   return best;
 }
 
-CpuIsa cpu_isa() {
-  const char* forced = std::getenv("PAGEDSPEC_CPU_ISA");
-  if (forced == nullptr || *forced == '\0') return best_cpu_isa();
-  const std::string name(forced);
-  for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
-    if (name == cpu_isa_name(isa)) {
-      TORCH_CHECK(cpu_supports(isa), "pagedspec: PAGEDSPEC_CPU_ISA=", name,
-                  " but this CPU lacks its instructions (best level here: ",
-                  cpu_isa_name(best_cpu_isa()), ")");
-      return isa;
-    }
+namespace {
+
+// One grammar for every variable: unset or empty is the default; otherwise one of `accepted`.
+// Returns the index of the value in `accepted`, or -1 when unset.
+int env_choice(const char* name, std::initializer_list<const char*> accepted) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return -1;
+  int i = 0;
+  std::string list;
+  for (const char* a : accepted) {
+    if (std::string(env) == a) return i;
+    list += (i++ ? ", " : "") + std::string(a);
   }
-  TORCH_CHECK(false, "pagedspec: PAGEDSPEC_CPU_ISA must be baseline, avx2 or avx512, got '", name,
+  TORCH_CHECK(false, "pagedspec: ", name, " must be one of ", list, " (or unset), got '", env,
               "'");
+}
+
+// A boolean setting: "0" or "1", else `unset`.
+bool env_flag(const char* name, bool unset) {
+  const int choice = env_choice(name, {"0", "1"});
+  return choice < 0 ? unset : choice == 1;
 }
 
 bool cpu_avx512_vbmi() {
@@ -64,11 +74,7 @@ bool cpu_avx512_vbmi() {
 #endif
 }
 
-bool cpu_fp8_images(CpuIsa level) {
-  const char* env = std::getenv("PAGEDSPEC_CPU_FP8_IMAGES");
-  if (env != nullptr && std::string(env) == "0") return false;
-  return level == CpuIsa::kAvx2 || (level == CpuIsa::kAvx512 && cpu_avx512_vbmi());
-}
+}  // namespace
 
 bool cpu_bf16_dot_supported() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -80,9 +86,22 @@ bool cpu_bf16_dot_supported() {
 #endif
 }
 
-bool cpu_bf16_dot() {
-  const char* env = std::getenv("PAGEDSPEC_CPU_BF16_DOT");
-  return env != nullptr && std::string(env) == "1" && cpu_bf16_dot_supported();
+CpuConfig cpu_config() {
+  CpuConfig c{};
+  const int level = env_choice("PAGEDSPEC_CPU_ISA", {"baseline", "avx2", "avx512"});
+  c.isa = level < 0 ? best_cpu_isa() : static_cast<CpuIsa>(level);
+  TORCH_CHECK(cpu_supports(c.isa), "pagedspec: PAGEDSPEC_CPU_ISA=", cpu_isa_name(c.isa),
+              " but this CPU lacks its instructions (best level here: ",
+              cpu_isa_name(best_cpu_isa()), ")");
+  c.avx512_vbmi = cpu_avx512_vbmi();
+  c.amx = env_flag("PAGEDSPEC_CPU_AMX", false) && amx_supported();
+  c.amx_decode = env_flag("PAGEDSPEC_CPU_AMX_DECODE", true) && c.amx;
+  c.bf16_dot = env_flag("PAGEDSPEC_CPU_BF16_DOT", false) && cpu_bf16_dot_supported();
+  c.fp8_images = env_flag("PAGEDSPEC_CPU_FP8_IMAGES", true) &&
+                 (c.isa == CpuIsa::kAvx2 || (c.isa == CpuIsa::kAvx512 && c.avx512_vbmi));
+  return c;
 }
+
+CpuIsa cpu_isa() { return cpu_config().isa; }
 
 }  // namespace pagedspec

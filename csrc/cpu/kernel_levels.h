@@ -36,7 +36,8 @@
                              const at::Tensor& cu_seqlens_q, double scale,                      \
                              const c10::optional<at::Tensor>& lse,                              \
                              const c10::optional<at::Tensor>& attn_mass,                        \
-                             const AttentionArgs& args, const PlanView& plan, float* workspace); \
+                             const AttentionArgs& args, const PlanView& plan, float* workspace, \
+                             const CpuConfig& config);                                          \
   void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, \
                          at::Tensor& value_cache, const at::Tensor& slot_mapping,               \
                          const ReshapeAndCacheArgs& args);                                      \
@@ -50,10 +51,12 @@ PAGEDSPEC_DECLARE_CPU_KERNELS(cpu_baseline)
 PAGEDSPEC_DECLARE_CPU_KERNELS(cpu_avx2)
 PAGEDSPEC_DECLARE_CPU_KERNELS(cpu_avx512)
 
-// Calls entry point FN of the ISA level in use (cpu_isa(): the best here, or PAGEDSPEC_CPU_ISA).
-#define PAGEDSPEC_CPU_CALL(FN, ...)                                       \
+// Calls entry point FN of ISA level ISA; PAGEDSPEC_CPU_CALL, of the level in use
+// (cpu_config().isa: the best here, or PAGEDSPEC_CPU_ISA).
+#define PAGEDSPEC_CPU_CALL(FN, ...) PAGEDSPEC_CPU_CALL_AT(::pagedspec::cpu_isa(), FN, __VA_ARGS__)
+#define PAGEDSPEC_CPU_CALL_AT(ISA, FN, ...)                               \
   [&] {                                                                   \
-    switch (::pagedspec::cpu_isa()) {                                     \
+    switch (ISA) {                                                        \
       case ::pagedspec::CpuIsa::kAvx512:                                  \
         return ::pagedspec::cpu_avx512::FN(__VA_ARGS__);                  \
       case ::pagedspec::CpuIsa::kAvx2:                                    \

@@ -498,7 +498,7 @@ inline void quantize_fp8_row(const InT* __restrict in, uint8_t* __restrict out, 
 // vdpbf16ps (the products are exact; denormal inputs and results are flushed to zero). Written in
 // asm so that the avx512 level's object is built without the avx512bf16 target, which would let
 // GCC use the extension anywhere in code that must run on AVX-512 CPUs without it: only code
-// behind cpu_bf16_dot() executes this.
+// behind CpuConfig::bf16_dot executes this.
 inline __m512 vdot_bf16(__m512 acc, __m512i a, __m512i b) {
   asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
   return acc;
@@ -559,7 +559,7 @@ inline __m256 vdot_bf16(__m256 acc, __m256i a, __m256i b) {
 }
 
 // AVX512-VBMI byte permutes, in asm for the same reason (the avx512 level does not assume VBMI;
-// only code behind cpu_avx512_vbmi() executes them). permute_bytes: byte i of the result is
+// only code behind CpuConfig::avx512_vbmi executes them). permute_bytes: byte i of the result is
 // x[index[i] & 63] (vpermb). lookup128_bytes: byte i is entry index[i] & 127 of the 128-byte table
 // held in (table_lo, table_hi) (vpermi2b; bit 7 of the index is ignored).
 inline __m512i permute_bytes(__m512i index, __m512i x) {

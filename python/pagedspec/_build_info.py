@@ -29,9 +29,14 @@ def build_info() -> dict:
     ``cpu_fp8_images`` (whether the FMA path at the level in use, which the other query types
     and the tasks the dot and AMX paths leave run, reads an FP8 tile as images converted once per
     tile for tasks of several blocks of query rows: at avx2, and at avx512 where the CPU has
-    AVX512-VBMI, unless ``PAGEDSPEC_CPU_FP8_IMAGES=0``).
+    AVX512-VBMI, unless ``PAGEDSPEC_CPU_FP8_IMAGES=0``). ``cpu`` is that whole CPU
+    configuration as the kernels resolve it for each call (``isa``, ``amx``, ``amx_decode``,
+    ``bf16_dot``, ``fp8_images``, and the feature ``avx512_vbmi``); the ``cpu_*`` keys repeat
+    its fields. Each ``PAGEDSPEC_CPU_*`` variable is unset, ``0`` or ``1`` (``PAGEDSPEC_CPU_ISA``:
+    a level's name); another value raises RuntimeError naming it.
     """
     with_cuda = bool(_C.with_cuda)
+    cpu = _C.cpu_config()
     return {
         "version": __version__,
         "backends": ["cpu", "cuda"] if with_cuda else ["cpu"],
@@ -43,9 +48,10 @@ def build_info() -> dict:
         "attention_head_sizes": list(_C.attention_head_sizes),
         "cpu_isa_levels": list(_C.cpu_isa_levels),
         "cpu_isa_supported": list(_C.cpu_isa_supported),
-        "cpu_isa": _C.cpu_isa(),
-        "cpu_amx": _C.cpu_amx(),
-        "cpu_bf16_dot": _C.cpu_bf16_dot(),
-        "cpu_bf16_dot_fp8": _C.cpu_bf16_dot_fp8(),
-        "cpu_fp8_images": _C.cpu_fp8_images(),
+        "cpu": cpu,
+        "cpu_isa": cpu["isa"],
+        "cpu_amx": cpu["amx"],
+        "cpu_bf16_dot": cpu["bf16_dot"],
+        "cpu_bf16_dot_fp8": cpu["bf16_dot"],
+        "cpu_fp8_images": cpu["fp8_images"],
     }

@@ -222,7 +222,8 @@ inline Fp8ImageBytes fp8_image_bytes(const float* table) {
   return b;
 }
 
-// The same tables in registers, for lookup128_bytes (VBMI: callers check cpu_avx512_vbmi()).
+// The same tables in registers, for lookup128_bytes (VBMI: callers check
+// CpuConfig::avx512_vbmi).
 struct Fp8ImageLookup {
   __m512i high0, high1, low0, low1;
   explicit Fp8ImageLookup(const Fp8ImageBytes& b)

@@ -1,6 +1,7 @@
 // What a task's rows become after its last tile: write_final (v1: out, lse, row_state),
 // write_partial (a split item's partial state), merge_partitions (the split reduction), and the
-// empty and undefined rows the first and last share (write_empty_row, write_undefined_row).
+// finished row the first and last both write (write_row; its empty and undefined forms
+// write_empty_row, write_undefined_row).
 // Members of CpuPagedAttention, included only by cpu/attention/kernel.h, inside the class body
 // at this place in its member order.
 #ifndef PAGEDSPEC_CPU_ATTENTION_PARTS
@@ -17,25 +18,32 @@
       const RowInfo& info = ws.rows[r];
       const SoftmaxState& st = ws.state[r];
       const bool undefined = softmax_undefined(st.max) || row_has_nan(query_row(info), D);
-      QT* dst = p_.out + int64_t(info.token) * p_.out_token_stride +
-                int64_t(info.head) * p_.out_head_stride;
-      const int64_t row = int64_t(info.token) * p_.num_heads + info.head;
-      if (undefined) {
-        write_undefined_row(dst, row, st.sum);
-        continue;
-      }
-      if (st.is_empty()) {
-        write_empty_row(dst, row);
-        continue;
-      }
-      const float inv = st.sum > 0.0f ? v_factor(task.kv_head) / st.sum : 0.0f;
-      const float* acc = ws.acc.data() + size_t(r) * D;
-      for (int d = 0; d < D; ++d) dst[d] = ScalarConvert<QT>::from_float(acc[d] * inv);
-      if (p_.lse != nullptr) p_.lse[row] = st.lse();
-      if (p_.row_state != nullptr) {
-        p_.row_state[2 * row] = st.max;
-        p_.row_state[2 * row + 1] = st.sum;
-      }
+      write_row(info.token, info.head, st, undefined, ws.acc.data() + size_t(r) * D,
+                v_factor(task.kv_head));
+    }
+  }
+
+  // A finished row of both epilogues: out = acc * factor / sum, lse and row_state; or an
+  // undefined row or an empty one. v1 passes the V factor; the split reduction 1, its partials
+  // carrying it already.
+  void write_row(int token, int head, const SoftmaxState& st, bool undefined, const float* acc,
+                 float factor) const {
+    QT* dst = p_.out + int64_t(token) * p_.out_token_stride + int64_t(head) * p_.out_head_stride;
+    const int64_t row = int64_t(token) * p_.num_heads + head;
+    if (undefined) {
+      write_undefined_row(dst, row, st.sum);
+      return;
+    }
+    if (st.is_empty()) {
+      write_empty_row(dst, row);
+      return;
+    }
+    const float inv = st.sum > 0.0f ? factor / st.sum : 0.0f;
+    for (int d = 0; d < p_.head_size; ++d) dst[d] = ScalarConvert<QT>::from_float(acc[d] * inv);
+    if (p_.lse != nullptr) p_.lse[row] = st.lse();
+    if (p_.row_state != nullptr) {
+      p_.row_state[2 * row] = st.max;
+      p_.row_state[2 * row + 1] = st.sum;
     }
   }
 
@@ -103,21 +111,5 @@
       for (int d = 0; d < D; ++d) acc[d] = acc[d] * m.weight_a + part_acc[d] * m.weight_b;
       st = m.state;
     }
-    QT* dst = p_.out + int64_t(token) * p_.out_token_stride + int64_t(head) * p_.out_head_stride;
-    const int64_t out_row = int64_t(token) * p_.num_heads + head;
-    if (undefined) {
-      write_undefined_row(dst, out_row, st.sum);
-      return;
-    }
-    if (st.is_empty()) {
-      write_empty_row(dst, out_row);
-      return;
-    }
-    const float inv = st.sum > 0.0f ? 1.0f / st.sum : 0.0f;
-    for (int d = 0; d < D; ++d) dst[d] = ScalarConvert<QT>::from_float(acc[d] * inv);
-    if (p_.lse != nullptr) p_.lse[out_row] = st.lse();
-    if (p_.row_state != nullptr) {
-      p_.row_state[2 * out_row] = st.max;
-      p_.row_state[2 * out_row + 1] = st.sum;
-    }
+    write_row(token, head, st, undefined, acc, 1.0f);
   }

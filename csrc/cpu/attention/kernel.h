@@ -32,12 +32,13 @@ class CpuPagedAttention {
   static constexpr int kTile = PAGEDSPEC_CPU_LEVEL == 1 ? kDefaultTile / 2 : kDefaultTile;
 
  public:
-  explicit CpuPagedAttention(const PagedAttentionParams<QT, CacheT>& p)
-      : p_(p), bf16_dot_(kDotCapable && p.head_size % 32 == 0 &&
-                  cpu_bf16_dot()),
+  // `config`: the call's CPU configuration (cpu/isa.h), whose isa is this level.
+  CpuPagedAttention(const PagedAttentionParams<QT, CacheT>& p, const CpuConfig& config)
+      : p_(p), bf16_dot_(kDotCapable && p.head_size % 32 == 0 && config.bf16_dot),
         fp8_images_(F != CacheFormat::kNative && PAGEDSPEC_CPU_LEVEL >= 1 &&
-                    p.head_size % kImageStep == 0 &&
-                    cpu_fp8_images(PAGEDSPEC_CPU_LEVEL == 2 ? CpuIsa::kAvx512 : CpuIsa::kAvx2)) {}
+                    p.head_size % kImageStep == 0 && config.fp8_images),
+        amx_(kAmxCapable && config.amx && (F == CacheFormat::kNative || config.avx512_vbmi)),
+        amx_decode_(amx_ && config.amx_decode) {}
 
   RowInfo row_info(int seq, int kv_head, int row) const {
     const int G = p_.group_size();
@@ -590,6 +591,10 @@ class CpuPagedAttention {
   const PagedAttentionParams<QT, CacheT>& p_;
   const bool bf16_dot_;  // the dot path for every task the AMX path does not take
   // The FMA path may read FP8 tiles as images (Workspace::fp8_images): AVX2, or AVX-512 with
-  // VBMI and D a multiple of 32 (cpu_fp8_images, fp8_images_as_bf16).
+  // VBMI and D a multiple of 32 (CpuConfig::fp8_images, fp8_images_as_bf16).
   const bool fp8_images_;
+  // The AMX paths (CpuConfig::amx; FP8 codes reach the tiles through fp8_images_as_bf16, VBMI):
+  // the many-row score path (use_amx) and the decode path (use_amx_decode).
+  const bool amx_;
+  const bool amx_decode_;
 };

@@ -36,8 +36,8 @@ std::vector<Task> plan_tasks(const PagedAttentionParams<QT, CacheT>& p, const Pl
 
 template <typename QT, typename CacheT, CacheFormat F>
 void run_cpu(PagedAttentionParams<QT, CacheT>& p, const AttentionArgs& args, const PlanView& plan,
-             float* workspace, const at::Tensor& query) {
-  CpuPagedAttention<QT, CacheT, F> kernel(p);
+             float* workspace, const at::Tensor& query, const CpuConfig& config) {
+  CpuPagedAttention<QT, CacheT, F> kernel(p, config);
   const int64_t R = plan.field(kPlanFieldPartialRows);
   p.part_acc = workspace;
   p.part_max = workspace == nullptr ? nullptr : workspace + R * p.num_heads * p.head_size;

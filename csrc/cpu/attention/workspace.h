@@ -51,9 +51,7 @@
       (F != CacheFormat::kNative || std::is_same_v<CacheT, c10::BFloat16>);
   bool use_amx(int R) const {
     if constexpr (kAmxCapable) {
-      // FP8 codes reach the tiles through fp8_images_as_bf16 (VBMI; every AMX CPU has it).
-      return R >= kAmxMinRows && p_.head_size % kAmxDims == 0 && amx_available() &&
-             (F == CacheFormat::kNative || cpu_avx512_vbmi());
+      return R >= kAmxMinRows && p_.head_size % kAmxDims == 0 && amx_;
     } else {
       return false;
     }
@@ -101,8 +99,7 @@
   // limits take vector FMAs.
   bool use_amx_decode() const {
     if constexpr (kAmxCapable) {
-      return p_.head_size % 32 == 0 && p_.head_size <= kAmxDecodeMaxDims &&
-             amx_decode_available() && (F == CacheFormat::kNative || cpu_avx512_vbmi());
+      return p_.head_size % 32 == 0 && p_.head_size <= kAmxDecodeMaxDims && amx_decode_;
     } else {
       return false;
     }
