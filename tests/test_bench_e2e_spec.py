@@ -62,6 +62,13 @@ def test_quick_run_covers_every_configuration_and_the_peer(pair):
     assert "misaligned adaptive" in table and "assisted (draft)" in table
 
 
+def test_only_filters_configurations_but_keeps_plain(pair):
+    target, draft = pair
+    report = e2e_spec.run(torch.device("cpu"), target, draft, quick=True, batches=(1,),
+                          repeats=1, max_tokens=4, only="adaptive")
+    assert [r["config"] for r in report.rows] == ["plain", "draft adaptive", "ngram adaptive"]
+
+
 def test_workloads_render_the_held_out_prompts_and_the_grounded_task(pair):
     from pagedspec import LLM
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import sysconfig
 import tempfile
@@ -314,7 +315,10 @@ def spec_row(llm, cfg: Config, runs: list[Timed], plain: list[Timed], plain_toke
 def run(device: torch.device, target: Path, draft: Path, *, quick: bool = False,
         dtype: Optional[str] = None, batches: Optional[tuple[int, ...]] = None,
         repeats: int = REPEATS, max_tokens: Optional[int] = None,
-        temperatures: Optional[tuple[float, ...]] = None) -> SpecReport:
+        temperatures: Optional[tuple[float, ...]] = None, only: Optional[str] = None,
+        workload_names: Optional[tuple[str, ...]] = None) -> SpecReport:
+    """``only``: a regular expression the configurations' names must match (plain decoding
+    always runs); ``workload_names``: the workloads to run (default: all)."""
     import transformers
 
     from pagedspec import LLM
@@ -327,10 +331,12 @@ def run(device: torch.device, target: Path, draft: Path, *, quick: bool = False,
     temperatures = temperatures or ((0.0,) if quick else (0.0, SAMPLED_TEMPERATURE))
     common = dict(dtype=dtype, device=str(device), max_num_seqs=max(batches), block_size=16)
     base = LLM(str(target), **common)
-    workloads = spec_workloads(target, draft, base, quick)
+    workloads = [w for w in spec_workloads(target, draft, base, quick)
+                 if workload_names is None or w.name in workload_names]
     setup = {"target": str(target), "draft": str(draft), "dtype": dtype, "device": str(device),
              "max_tokens": max_tokens, "repeats": repeats, "batches": list(batches),
              "temperatures": list(temperatures), "batch1_prompts": BATCH1_PROMPTS,
+             "only": only,
              "workloads": {w.name: {"description": w.description, "num_prompts": len(w.prompts),
                                     "prompt_tokens": [len(p) for p in w.prompts]}
                            for w in workloads},
@@ -360,6 +366,8 @@ def run(device: torch.device, target: Path, draft: Path, *, quick: bool = False,
                             "workload": w.name, "prompt": base.tokenizer.decode(work[0])[-300:],
                             "completion": base.tokenizer.decode(plain.tokens[0])})
                     for cfg in configs(w.name, temperature, batch, quick):
+                        if only is not None and not re.search(only, cfg.name):
+                            continue
                         llm = LLM(str(target), speculative_model=spec_paths[cfg.spec],
                                   num_speculative_tokens=cfg.k,
                                   speculative_adaptive=cfg.adaptive, **common)
@@ -526,6 +534,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                         default=None, help=f"comma-separated (default 0,{SAMPLED_TEMPERATURE})")
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--only", default=None,
+                        help="a regular expression: only the configurations whose names match "
+                             "(plain decoding always runs), e.g. 'adaptive|k=3'")
+    parser.add_argument("--workloads", type=lambda t: tuple(t.split(",")), default=None,
+                        help="comma-separated: held-out, grounded (chat pairs) or code")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -535,7 +548,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     device = resolve_device(args.device)
     report = run(device, *pair, quick=args.quick, dtype=args.dtype, batches=args.batches,
                  repeats=args.repeats, max_tokens=args.max_tokens,
-                 temperatures=args.temperatures)
+                 temperatures=args.temperatures, only=args.only, workload_names=args.workloads)
     out = args.out or default_out_dir(device)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(report)
