@@ -15,8 +15,8 @@ tokens verified (it is not free once the batch is compute-bound), and acceptance
 position and request.
 
 A check against reality: the realized tokens per second of decode-only steps are kept per batch
-size (in powers of two), with and without drafts; where drafting steps have delivered less than
-plain ones within the last ``GOODPUT_MEMORY`` steps, the controller does not draft (after that,
+size (in powers of two) and k; where steps drafting the chosen k have delivered less than plain
+ones within the last ``GOODPUT_MEMORY`` steps, the controller does not draft (after that,
 the model may try again, so a change such as acceptance improving is seen).
 
 Measurements. ``t`` and ``d`` are kept as moving averages in buckets of powers of two of their
@@ -123,6 +123,28 @@ class SpecStats:
                 "num_steps": self.num_steps}
 
 
+@dataclass
+class Goodput:
+    """Realized tokens per second of one kind of step: decayed sums of tokens and seconds (a
+    ratio of sums, not an average of per-step rates: at batch 1 a drafting step's tokens are 1
+    or 2 at random, and averaged rates of a few such steps swung by 2x)."""
+    MIN_STEPS = 8           # steps behind a rate before it may veto drafting
+    tokens: float = 0.0
+    seconds: float = 0.0
+    count: int = 0
+    step: int = 0           # the controller step of the last observation
+
+    def observe(self, tokens: int, seconds: float, step: int, decay: float = 0.9) -> None:
+        self.tokens = decay * self.tokens + tokens
+        self.seconds = decay * self.seconds + seconds
+        self.count += 1
+        self.step = step
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
 class SpeculationController:
     """Picks k per step. ``adaptive=False`` always drafts ``max_k`` (a fixed k)."""
 
@@ -139,6 +161,10 @@ class SpeculationController:
     # throughput. So while k = 0 keeps winning the gap doubles, up to this; once drafting
     # pays, it is back to ``explore_every``.
     MAX_EXPLORE_EVERY = 256
+    # ... but only while k = 1 is predicted to deliver under this share of k = 0's rate: near
+    # break-even the estimates' noise decides, and a few unlucky samples had a draft that won
+    # 1.2x at k = 1 stay off for hundreds of steps (SmolLM2 and its draft, batch 1).
+    CLOSE_MARGIN = 0.95
 
     def __init__(self, max_k: int, adaptive: bool = True, warmup_steps: int = 3,
                  explore_every: int = 8, decay: float = 0.9, prior: float = 0.5,
@@ -157,7 +183,7 @@ class SpeculationController:
         # Realized tokens/s of decode-only steps, by (batch size bucket, drafted or not): the
         # model's check against reality (what it does not model, such as a draft catching up
         # after a pause, shows here).
-        self._goodput: dict[tuple[int, bool], tuple[float, int]] = {}   # -> (rate, step)
+        self._goodput: dict[tuple[int, int], Goodput] = {}
         self.target_cost = CostCurve()          # seconds per target step, by tokens
         self.draft_cost = CostCurve()           # seconds per draft pass, by sequences
         self.steps = 0
@@ -167,6 +193,7 @@ class SpeculationController:
         # the estimates move slowly, and deciding costs ~0.1 ms (a few % of a small step).
         self.decide_every = decide_every
         self._decided: Optional[tuple[int, int, int]] = None    # (batch size, step, k)
+        self._margin = 0.0      # the last decision's predicted rate of k = 1 over k = 0's
 
     # ---- what was measured ------------------------------------------------------------------
     def observe_target(self, num_tokens: int, seconds: float) -> None:
@@ -176,13 +203,13 @@ class SpeculationController:
         """One drafting pass (one token for each of ``num_seqs`` sequences) took ``seconds``."""
         self.draft_cost.observe(num_seqs, seconds)
 
-    def observe_goodput(self, num_seqs: int, drafted: bool, tokens: int, seconds: float) -> None:
-        """A decode-only step's result: ``tokens`` emitted by ``num_seqs`` sequences in
-        ``seconds`` (drafting included), with or without drafts."""
-        key = (max(num_seqs, 1).bit_length(), drafted)
-        rate = tokens / max(seconds, 1e-9)
-        old = self._goodput.get(key)
-        self._goodput[key] = (rate if old is None else 0.8 * old[0] + 0.2 * rate, self.steps)
+    def observe_goodput(self, num_seqs: int, k: int, tokens: int, seconds: float) -> None:
+        """A decode-only step's result: ``tokens`` emitted by ``num_seqs`` sequences drafting
+        ``k`` each (0: none) in ``seconds`` (drafting included). Kept per k: the warm-up's
+        k = 4 losing must not veto a k = 1 that wins (it did, for 64 steps at a time, on
+        SmolLM2 and its draft at batch 1)."""
+        key = (max(num_seqs, 1).bit_length(), k)
+        self._goodput.setdefault(key, Goodput()).observe(tokens, seconds, self.steps)
 
     def observe_acceptance(self, request_key: int, k: int, accepted: int) -> None:
         d = self.decay
@@ -264,20 +291,23 @@ class SpeculationController:
                 rates = [r or 0.0 for r in self.predicted_rates(request_keys, room,
                                                                   other_tokens)]
                 k = -max((r, -k) for k, r in enumerate(rates))[1]
+                self._margin = rates[1] / rates[0] if rates[0] > 0 else 0.0
                 if self._decided is not None and rates[k] < self.HYSTERESIS * rates[
                         min(self._decided[2], self.max_k)]:
                     k = self._decided[2]      # not clearly better: switching has a cost
                 bucket = B.bit_length()
-                spec_rate = self._goodput.get((bucket, True))
-                plain_rate = self._goodput.get((bucket, False))
+                spec_rate = self._goodput.get((bucket, k))
+                plain_rate = self._goodput.get((bucket, 0))
                 if (k and spec_rate is not None and plain_rate is not None
-                        and self.steps - spec_rate[1] < self.GOODPUT_MEMORY
-                        and spec_rate[0] < plain_rate[0]):
+                        and spec_rate.count >= Goodput.MIN_STEPS
+                        and self.steps - spec_rate.step < self.GOODPUT_MEMORY
+                        and spec_rate.rate < plain_rate.rate):
                     k = 0                     # measured, not predicted: drafting loses here
                 self._decided = (B, self.steps, k)
             if self.steps >= self._next_explore:
+                clear_loss = k == 0 and self._margin < self.CLOSE_MARGIN
                 self._explore_gap = (min(2 * self._explore_gap, self.MAX_EXPLORE_EVERY)
-                                     if k == 0 else self.explore_every)
+                                     if clear_loss else self.explore_every)
                 self._next_explore = self.steps + self._explore_gap
                 self._explorations += 1
                 k = self._explore(k, B, other_tokens)

@@ -19,6 +19,10 @@ from pagedspec.engine.scheduler import StepBatch
 from pagedspec.engine.sequence import Sequence
 from pagedspec.engine.speculative import DraftModelProposer, DraftRequest, NgramProposer
 
+# A draft cache lacking at most this many of a sequence's tokens counts as current (a learning
+# step may then draft for a quarter of the batch, at a few tokens of catch-up each).
+CURRENT_DRAFT_TOKENS = 8
+
 # seq id -> (its sampling row, its generator, tokens evicted from its block table)
 SeqLookup = Callable[[int], tuple[SamplingRow, torch.Generator, int]]
 
@@ -80,14 +84,19 @@ class Speculator:
         every token its cache lacks, which after a long run of k = 0 steps is every token
         since the sequence last drafted (with rotation, four explorations back; a new
         sequence's whole prompt): it takes the sequences whose caches are the most current,
-        in rotation among equals."""
+        in rotation among equals, and when even the most current lacks more than
+        ``CURRENT_DRAFT_TOKENS``, that one alone (at batch 32 a quarter of new sequences
+        catching up on their prompts took 3.3% of the time while k stayed 0 in 96% of the
+        steps)."""
         n = len(decoding)
         first = self.controller.steps * limit % n
         order = [(first + i) % n for i in range(n)]              # rotate who learns
         if self.draft_model is not None:
             model = self.draft_model
-            order.sort(key=lambda i: len(decoding[i].token_ids)
-                       - model.computed_tokens(decoding[i].seq_id))
+            missing = [len(s.token_ids) - model.computed_tokens(s.seq_id) for s in decoding]
+            order.sort(key=missing.__getitem__)
+            if missing[order[0]] > CURRENT_DRAFT_TOKENS:
+                limit = 1     # every cache is stale: one sequence learns, at one's catch-up
         return set(order[:limit])
 
     def draft(self, batch: StepBatch, lookup: SeqLookup, synchronize: Callable[[float], float]
@@ -172,5 +181,5 @@ class Speculator:
         catch_up = self.draft_model is not None and num_verified and any(
             tokens > 2 * seqs for seqs, tokens, _ in self.draft_model.pass_times)
         if decode_only and num_verified in (0, len(batch.seqs)) and not catch_up:
-            self.controller.observe_goodput(len(batch.seqs), bool(num_verified),
+            self.controller.observe_goodput(len(batch.seqs), max(batch.num_draft_tokens),
                                             num_new_tokens, elapsed)
