@@ -17,11 +17,11 @@
 // On the AVX-512 level, bf16 tasks may instead score and accumulate with AMX tile multiplies
 // (cpu/amx.h, AMX machines: the decode path, accumulators kept in tile layout, for decode and
 // verification rows at head sizes up to 128; the many-row path above that) or with AVX512-BF16
-// dot products (cpu_bf16_dot): row pairs in the lanes of 256-bit products for up to
-// kLanesMaxRows rows (score_tile_lanes; 4 x 4 blocks on FP8 codes converted in registers), and
-// for more rows (verification, wide GQA groups) a K tile packed pair-major once for all the rows
-// (score_tile_packed, scores in lanes position by position) and V pairs built once per tile
-// (accumulate_tile_packed). Tasks of several blocks of rows on the FMA path read an FP8 tile
+// dot-product scores (cpu_bf16_dot; exact products summed in float32, P.V on the FMA path):
+// row pairs in the lanes of 256-bit products for up to kLanesMaxRows rows (score_tile_lanes;
+// 4 x 4 blocks on FP8 codes converted in registers), and for more rows (verification, wide GQA
+// groups) a K tile packed pair-major once for all the rows (score_tile_packed, scores in lanes
+// position by position). Tasks of several blocks of rows on the FMA path read an FP8 tile
 // as the bf16 images of its codes converted once per tile (with VBMI at AVX-512, through F16C at
 // AVX2; Workspace::fp8_images), instead of converting the codes as each block of rows reads them.
 //

@@ -96,7 +96,7 @@ CpuConfig cpu_config() {
   c.avx512_vbmi = cpu_avx512_vbmi();
   c.amx = env_flag("PAGEDSPEC_CPU_AMX", false) && amx_supported();
   c.amx_decode = env_flag("PAGEDSPEC_CPU_AMX_DECODE", true) && c.amx;
-  c.bf16_dot = env_flag("PAGEDSPEC_CPU_BF16_DOT", false) && cpu_bf16_dot_supported();
+  c.bf16_dot = env_flag("PAGEDSPEC_CPU_BF16_DOT", true) && cpu_bf16_dot_supported();
   c.fp8_images = env_flag("PAGEDSPEC_CPU_FP8_IMAGES", true) &&
                  (c.isa == CpuIsa::kAvx2 || (c.isa == CpuIsa::kAvx512 && c.avx512_vbmi));
   return c;

@@ -34,13 +34,13 @@ struct CpuConfig {
   // ... and among them the decode path (accumulators kept in tile layout), unless
   // PAGEDSPEC_CPU_AMX_DECODE=0 (for comparisons; no opt-in of its own).
   bool amx_decode;
-  // PAGEDSPEC_CPU_BF16_DOT=1: the avx512 level's AVX512-BF16 dot-product path (vdpbf16ps: 32
-  // bf16 products per instruction where an FMA takes 16 float32) for bf16 queries on bf16 or FP8
-  // caches, the tasks the AMX paths leave, where the CPU has AVX512-BF16 and AVX512-VBMI (its FP8
-  // conversion; Zen 4 and every Intel CPU with AVX512-BF16 but Cooper Lake). Opt-in for the same
-  // bound as AMX. Where it was measured faster: on AMD (Zen 4) for both caches, where a vdpbf16ps
-  // issues at the FMA's rate; on Intel for FP8 caches only (issued at half the FMA's rate; their
-  // codes become bf16 in registers rather than float32).
+  // The avx512 level's AVX512-BF16 dot-product scores (vdpbf16ps: 32 exact bf16 products per
+  // instruction, summed in float32, where an FMA takes 16 float32) for bf16 queries on bf16 or
+  // FP8 caches, the tasks the AMX paths leave; their P.V stays on the FMA path (float32
+  // probabilities), so the path keeps the contract's bound. On by default where the CPU has
+  // AVX512-BF16 and AVX512-VBMI (its FP8 conversion; Zen 4 and every Intel CPU with AVX512-BF16
+  // but Cooper Lake): 1.05-1.26x the FMA path on Zen 4, decode and verification, both caches.
+  // PAGEDSPEC_CPU_BF16_DOT=0 turns it off.
   bool bf16_dot;
   // Whether the FMA path at `isa` (float32 or fp16 queries, or bf16 ones off the dot and AMX
   // paths) reads an FP8 tile as images of its codes converted once per tile, for tasks of

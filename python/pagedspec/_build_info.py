@@ -22,10 +22,11 @@ def build_info() -> dict:
     avx512 level's attention with bf16 queries, on bf16 or FP8 caches, uses AMX tile multiplies:
     only when opted in with ``PAGEDSPEC_CPU_AMX=1`` on a CPU with AMX-BF16 that the OS allows)
     and ``cpu_bf16_dot`` and ``cpu_bf16_dot_fp8`` (whether that level's attention with bf16
-    queries on a bf16 / an FP8 cache uses AVX512-BF16 dot products for the tasks the AMX paths
-    leave: only when opted in with ``PAGEDSPEC_CPU_BF16_DOT=1`` on a CPU with them and
-    AVX512-VBMI). Both opt-in paths multiply bf16-rounded probabilities, outside the contract's
-    float32-level bound; the default FMA path keeps it. And
+    queries on a bf16 / an FP8 cache scores with AVX512-BF16 dot products for the tasks the AMX
+    paths leave: by default on a CPU with them and AVX512-VBMI, unless
+    ``PAGEDSPEC_CPU_BF16_DOT=0``; exact products summed in float32, P.V on the FMA path). AMX
+    multiplies bf16-rounded probabilities, outside the contract's float32-level bound; every
+    default path keeps it. And
     ``cpu_fp8_images`` (whether the FMA path at the level in use, which the other query types
     and the tasks the dot and AMX paths leave run, reads an FP8 tile as images converted once per
     tile for tasks of several blocks of query rows: at avx2, and at avx512 where the CPU has

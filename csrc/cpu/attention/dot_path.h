@@ -1,7 +1,7 @@
 // The AVX512-BF16 dot-product path's blocks (cpu_bf16_dot; AVX-512 level only, all under
-// PAGEDSPEC_CPU_LEVEL == 2): scores and P.V on bf16 rows, on FP8 codes converted in registers
+// PAGEDSPEC_CPU_LEVEL == 2): scores on bf16 rows, on FP8 codes converted in registers
 // (fp8_images_in_lanes) and on a packed K tile for many rows. Its tile loops are kernel members
-// (dot_tiles.h, and accumulate_tile_packed in kernel.h).
+// (dot_tiles.h). Its P.V is the FMA path's, on float32 probabilities.
 // A part of cpu/attention_impl.h, included only there, inside its namespaces.
 #ifndef PAGEDSPEC_CPU_ATTENTION_PARTS
 #error "a part of cpu/attention_impl.h, included only there: include that instead"
@@ -11,9 +11,15 @@
 // The bf16 dot-product path (cpu_bf16_dot: AVX512-BF16, bf16 queries on a bf16 cache or on
 // the bf16 images of an FP8 cache's codes, D a multiple of 32). A register holds 32 bf16, and
 // each vdpbf16ps adds two exact products per float32 lane, so a score takes half the
-// instructions of the FMA path and bf16 K rows are read as stored, not widened. With D a
-// multiple of 64, FP8 codes are converted in registers as they are read (score_block_fp8_dot,
-// accumulate_block_fp8_dot); otherwise through images in the workspace (fp8_images_as_bf16).
+// instructions of the FMA path and bf16 K rows are read as stored, not widened; the products
+// are exact and summed in float32, as on the FMA path. With D a multiple of 64, FP8 codes are
+// converted in registers as they are read (score_block_fp8_dot); otherwise through images in
+// the workspace (fp8_images_as_bf16).
+// P.V stays on the FMA path, with float32 probabilities: dot products there need the weights in
+// bf16, 2^-9 relative each, which broke the contract's bound (up to 2^-11 max|V| on bf16
+// verification); split exactly into three bf16 parts they cost 1.5-1.6x the FMA path's P.V
+// time on 5-token verification (Zen 4, bench/log/2026-12-07-cpu-attention-exact-dot-zen4.md),
+// and the dot scores with the FMA path's P.V beat both.
 
 // out[r * out_stride + t] = scale * sum over lanes of acc[r][t].
 template <int NR, int NT>
@@ -98,108 +104,6 @@ template <int NP, int NT, typename Step>
       _mm_storeu_ps(out + (2 * p + 1) * out_stride + t, _mm256_extractf128_ps(x, 1));
     }
   }
-}
-
-// The dot path's accumulators pair two positions per lane: each 32-bit lane of a value vector
-// holds the bf16 of v[t] and v[t + 1] at one dimension, against the weight pair (w[t], w[t + 1]).
-// acc[r] (the path's layout) [d0, d0 + 16 NV) += sum_t w[r][t] * v[t] for NR rows over n positions,
-// w the weights as bf16 bits (stride w_stride); load_pairs(t, pair, vectors) gives the NV value
-// vectors of positions t and t + 1 (t alone if !pair: its partner must read as zeros). An odd last
-// position pairs with zeros and a zero weight: the row after it may be past a row's limit, so it is
-// never read. step() once per position (PrefetchSteps).
-template <int NR, int NV, typename LoadPairs, typename Step>
-[[gnu::always_inline]] inline void accumulate_pairs_dot(float* __restrict acc,
-                                                        const uint16_t* __restrict w, int n, int D,
-                                                        int w_stride, int d0,
-                                                        LoadPairs&& load_pairs, Step&& step) {
-  __m512 a[NR][NV];
-  for (int r = 0; r < NR; ++r) {
-    for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc + r * D + d0 + 16 * j);
-  }
-  const auto pair_step = [&](int t, bool pair) {
-    __m512i vectors[NV];
-    load_pairs(t, pair, vectors);
-    for (int r = 0; r < NR; ++r) {
-      const uint16_t* wr = w + r * w_stride + t;
-      uint32_t bits = wr[0];
-      if (pair) std::memcpy(&bits, wr, sizeof(bits));  // (w[t], w[t + 1]), little-endian
-      const __m512i wp = _mm512_set1_epi32(int(bits));
-      for (int j = 0; j < NV; ++j) a[r][j] = vdot_bf16(a[r][j], wp, vectors[j]);
-    }
-  };
-  int t = 0;
-  for (; t + 2 <= n; t += 2) {
-    step();
-    step();
-    pair_step(t, true);
-  }
-  if (t < n) {
-    step();
-    pair_step(t, false);
-  }
-  for (int r = 0; r < NR; ++r) {
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + r * D + d0 + 16 * j, a[r][j]);
-  }
-}
-
-// bf16 rows: v[t] and v[t + 1] interleaved 16 bits at a time (unpacklo / unpackhi within each
-// 128-bit lane). So within each 32 dimensions of a row, the first 16 floats hold dimensions 0-3,
-// 8-11, 16-19, 24-27 and the second 16 the others; dot_to_natural puts a row back in order.
-struct DotLayout {
-  alignas(64) int first[16];   // natural dimension j < 16: its lane in (first, second) as 0..31
-  alignas(64) int second[16];  // natural dimension 16 + j
-};
-constexpr DotLayout make_dot_layout() {
-  DotLayout t{};
-  for (int j = 0; j < 32; ++j) {
-    const int lane128 = j / 8, m = j % 8;
-    const int src = m < 4 ? 4 * lane128 + m : 16 + 4 * lane128 + (m - 4);
-    (j < 16 ? t.first[j] : t.second[j - 16]) = src;
-  }
-  return t;
-}
-
-inline void dot_to_natural(float* __restrict row, int D) {
-  static constexpr DotLayout kLayout = make_dot_layout();
-  const __m512i first = _mm512_load_si512(kLayout.first);
-  const __m512i second = _mm512_load_si512(kLayout.second);
-  for (int d = 0; d < D; d += 32) {
-    const __m512 lo = _mm512_loadu_ps(row + d), hi = _mm512_loadu_ps(row + d + 16);
-    _mm512_storeu_ps(row + d, _mm512_permutex2var_ps(lo, first, hi));
-    _mm512_storeu_ps(row + d + 16, _mm512_permutex2var_ps(lo, second, hi));
-  }
-}
-
-// The dot path's value vectors of positions t and t + 1 from bf16 rows v (t alone if !pair, its
-// partner read as zeros): dimensions [d, d + 32) as out[0] (unpacklo) and out[1] (unpackhi).
-[[gnu::always_inline]] inline void bf16_value_pair(const uint16_t* const* v, int t, bool pair,
-                                                   int d, __m512i* out) {
-  const __m512i v0 = _mm512_loadu_si512(v[t] + d);
-  const __m512i v1 = pair ? _mm512_loadu_si512(v[t + 1] + d) : _mm512_setzero_si512();
-  out[0] = _mm512_unpacklo_epi16(v0, v1);
-  out[1] = _mm512_unpackhi_epi16(v0, v1);
-}
-
-// accumulate_pairs_dot over bf16 rows: spans of 64 dimensions (4 rows x 4 accumulators), then 32.
-template <int NR, int C, typename Step>
-[[gnu::always_inline]] inline void accumulate_span_dot(float* __restrict acc,
-                                                       const uint16_t* __restrict w,
-                                                       const uint16_t* const* v, int n, int D,
-                                                       int w_stride, int d0, Step&& step) {
-  accumulate_pairs_dot<NR, 2 * C>(
-      acc, w, n, D, w_stride, d0,
-      [&](int t, bool pair, __m512i* out) {
-        for (int c = 0; c < C; ++c) bf16_value_pair(v, t, pair, d0 + 32 * c, out + 2 * c);
-      },
-      step);
-}
-template <int NR, typename Step>
-inline void accumulate_block_dot(float* __restrict acc, const uint16_t* __restrict w,
-                                 const uint16_t* const* v, int n, int D, int w_stride,
-                                 Step&& step) {
-  int d = 0;
-  for (; d + 64 <= D; d += 64) accumulate_span_dot<NR, 2>(acc, w, v, n, D, w_stride, d, step);
-  for (; d < D; d += 32) accumulate_span_dot<NR, 1>(acc, w, v, n, D, w_stride, d, step);
 }
 
 // The bf16 bits of the 128 FP8 magnitudes' images (table[c]: code c's float32 image, as
@@ -329,48 +233,6 @@ template <int NR, int NT>
   store_dot_scores(acc, scale, out, out_stride);
 }
 
-// The dot path's value vectors of positions t and t + 1 from FP8 rows v (t alone if !pair, its
-// partner read as code 0, +0): dimensions [d, d + 64) as out[0..3], the codes interleaved byte by
-// byte, then converted (fp8_images_in_lanes), so each 32-bit lane pairs their images of one
-// dimension.
-[[gnu::always_inline]] inline void fp8_value_pair(const uint8_t* const* v, int t, bool pair, int d,
-                                                  const Fp8ImageLookup& lookup, __m512i* out) {
-  const __m512i c0 = _mm512_loadu_si512(v[t] + d);
-  const __m512i c1 = pair ? _mm512_loadu_si512(v[t + 1] + d) : _mm512_setzero_si512();
-  fp8_images_in_lanes(_mm512_unpacklo_epi8(c0, c1), lookup, out[0], out[1]);
-  fp8_images_in_lanes(_mm512_unpackhi_epi8(c0, c1), lookup, out[2], out[3]);
-}
-
-// accumulate_pairs_dot on FP8 V rows (D a multiple of 64), 64 dimensions at a time through
-// fp8_value_pair. Vector k's 128-bit lane L holds dimensions 16 L + 4 k .. + 3;
-// fp8_dot_to_natural reorders.
-template <int NR, typename Step>
-inline void accumulate_block_fp8_dot(float* __restrict acc, const uint16_t* __restrict w,
-                                     const uint8_t* const* v, int n, int D, int w_stride,
-                                     const Fp8ImageLookup& lookup, Step&& step) {
-  for (int d0 = 0; d0 < D; d0 += 64) {
-    accumulate_pairs_dot<NR, 4>(
-        acc, w, n, D, w_stride, d0,
-        [&](int t, bool pair, __m512i* out) { fp8_value_pair(v, t, pair, d0, lookup, out); },
-        step);
-  }
-}
-
-// Each 64 floats of a row in accumulate_block_fp8_dot's layout back in dimension order: a 4 x 4
-// transpose of 128-bit blocks (natural block 4 L + k is block L of vector k).
-inline void fp8_dot_to_natural(float* __restrict row, int D) {
-  for (int d = 0; d < D; d += 64) {
-    const __m512 a0 = _mm512_loadu_ps(row + d), a1 = _mm512_loadu_ps(row + d + 16);
-    const __m512 a2 = _mm512_loadu_ps(row + d + 32), a3 = _mm512_loadu_ps(row + d + 48);
-    const __m512 t0 = _mm512_shuffle_f32x4(a0, a1, 0x44), t1 = _mm512_shuffle_f32x4(a2, a3, 0x44);
-    const __m512 t2 = _mm512_shuffle_f32x4(a0, a1, 0xEE), t3 = _mm512_shuffle_f32x4(a2, a3, 0xEE);
-    _mm512_storeu_ps(row + d, _mm512_shuffle_f32x4(t0, t1, 0x88));
-    _mm512_storeu_ps(row + d + 16, _mm512_shuffle_f32x4(t0, t1, 0xDD));
-    _mm512_storeu_ps(row + d + 32, _mm512_shuffle_f32x4(t2, t3, 0x88));
-    _mm512_storeu_ps(row + d + 48, _mm512_shuffle_f32x4(t2, t3, 0xDD));
-  }
-}
-
 // The dot path's scores for tasks of many rows (score_tile_packed): the tile's K rows packed
 // pair-major, one register per (group of 16 positions, bf16 pair j of the head), so that a
 // query's pair j broadcast against it adds that pair's products for 16 positions at once and
@@ -437,32 +299,4 @@ template <int NR, int G, typename Step>
   }
 }
 
-// P.V for the same tasks on a tile every row sees whole (accumulate_tile_packed): the V rows of
-// each position pair interleaved once for all the rows into the vectors accumulate_span_dot and
-// accumulate_block_fp8_dot build per block of 4 rows (so the accumulators keep their layout), then
-// acc[r] (stride D) [d0, d0 + 16 NV) += sum over pairs p of (w[r][2p], w[r][2p + 1]) . vector
-// d0 / 16 + j of pair p, for NR rows (w: bf16 weights, stride w_stride; vectors: D / 16 per pair).
-template <int NR, int NV>
-[[gnu::always_inline]] inline void accumulate_paired_values(float* __restrict acc,
-                                                            const uint16_t* __restrict w,
-                                                            int w_stride,
-                                                            const __m512i* __restrict vectors,
-                                                            int pairs, int D, int d0) {
-  if (pairs <= 0) __builtin_unreachable();
-  const int per_pair = D / 16;
-  __m512 a[NR][NV];
-  for (int r = 0; r < NR; ++r) {
-    for (int j = 0; j < NV; ++j) a[r][j] = _mm512_loadu_ps(acc + r * D + d0 + 16 * j);
-  }
-  for (int p = 0; p < pairs; ++p) {
-    __m512i v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = _mm512_load_si512(vectors + p * per_pair + d0 / 16 + j);
-    for (int r = 0; r < NR; ++r) {
-      for (int j = 0; j < NV; ++j) a[r][j] = vdot_bf16_bcast(a[r][j], v[j], w + r * w_stride + 2 * p);
-    }
-  }
-  for (int r = 0; r < NR; ++r) {
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + r * D + d0 + 16 * j, a[r][j]);
-  }
-}
 #endif

@@ -1,7 +1,6 @@
 // The dot path's score loops over a tile, which score_tile hands off to (AVX-512 level only):
 // score_tile_packed (many rows, a packed K tile) and score_tile_lanes (up to kLanesMaxRows
-// rows). Their blocks are in dot_path.h; the P.V of packed tiles (accumulate_tile_packed) stays
-// in kernel.h beside attend_tile, which calls it.
+// rows). Their blocks are in dot_path.h; the P.V is the FMA path's (accumulate_rows).
 // Members of CpuPagedAttention, included only by cpu/attention/kernel.h, inside the class body
 // at this place in its member order.
 #ifndef PAGEDSPEC_CPU_ATTENTION_PARTS

@@ -226,8 +226,9 @@ class CpuPagedAttention {
       }
     }
     const ImageT* const* k_images =
-        ws.fp8_images ? fp8_image_rows(ws.krows, ws.visible[R - 1], ws.kreader, Operand::kKeys)
-                      : nullptr;
+        ws.fp8_images && !ws.dot
+            ? fp8_image_rows(ws.krows, ws.visible[R - 1], ws.kreader, Operand::kKeys)
+            : nullptr;
 #if PAGEDSPEC_CPU_LEVEL == 2
     const std::optional<Fp8ImageLookup> lookup = fp8_lookup(ws, ws.kreader);
     if constexpr (kDotCapable) {
@@ -295,7 +296,8 @@ class CpuPagedAttention {
   static int packed_block_rows(int left) { return left > 4 ? 8 : 4; }
 
   // The pf.step() calls attend_tile makes for one head's R rows on an n-position tile:
-  // score_tile_packed's, one per kPackedStepPairs pairs of each row block; the AMX paths', one
+  // score_tile_packed's, one per kPackedStepPairs pairs of each row block, and the P.V's as
+  // below; the AMX paths', one
   // per position; else one per position of the first score block and one per position and pass
   // over D (value_passes) of the first rows' P.V, so that the lines are asked for all through the
   // tile. Without the P.V's share, prefetches came as bursts in the score loop and the memory sat
@@ -304,7 +306,8 @@ class CpuPagedAttention {
     if (use_amx(R)) return n;
     if (kDotCapable && bf16_dot_ && scores_packed(R, dot_fp8_codes())) {
       const int blocks = (R + 7) / 8;
-      return blocks * ((p_.head_size / 2 + kPackedStepPairs - 1) / kPackedStepPairs);
+      return blocks * ((p_.head_size / 2 + kPackedStepPairs - 1) / kPackedStepPairs) +
+             n * value_passes();
     }
     return n * (1 + value_passes());
   }
@@ -313,7 +316,6 @@ class CpuPagedAttention {
   // multiple).
   int value_passes() const {
     const int D = p_.head_size;
-    if (kDotCapable && bf16_dot_) return D / 64 + (D % 64) / 32;
     constexpr int kSpan = kValueSpan * kRegLanes, kStep = kRowStep<Reader> * kRegLanes;
     return D / kSpan + (D % kSpan) / kStep + (D % kStep) / kRegLanes;
   }
@@ -433,27 +435,6 @@ class CpuPagedAttention {
         st.sum += exp2_weights(w, visible, st.max);
       }
     }
-#if PAGEDSPEC_CPU_LEVEL == 2
-    if (ws.dot) {  // V rows and weights as bf16 for the dot path's P.V (those past a row unread)
-      if constexpr (kDotCapable) {
-        if (!ws.dot_fp8) {
-          ws.dot_vrows = bf16_rows(ws.vrows, 0, n, ws.vreader, Operand::kValues);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        for (int t = 0; t < kTile; t += 16) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(ws.w_bf16.data() + r * kTile + t),
-                              round_to_bf16(_mm512_loadu_ps(ws.w.data() + r * kTile + t)));
-        }
-      }
-    }
-    if constexpr (kDotCapable) {
-      if (ws.dot && scores_packed(R, ws.dot_fp8) && ws.visible[0] == n) {
-        accumulate_tile_packed(ws, R, n);
-        return;
-      }
-    }
-#endif
     if (ws.amx && n == kTile && ws.visible[0] == kTile) {
       // Every row sees the whole tile (rows ascend, so the first sees the least): no position
       // is past a row's limit, so the tile multiply may take them all (the causal tail and
@@ -463,7 +444,7 @@ class CpuPagedAttention {
                      bf16_rows(ws.vrows, 0, kTile, ws.vreader, Operand::kValues), D,
                      ws.acc.data());
     } else {
-      if (!ws.dot) set_acc_order(ws, R, true);
+      set_acc_order(ws, R, true);
       if (ws.fp8_images) {  // the V rows any row sees
         ws.v_images = fp8_image_rows(ws.vrows, ws.visible[R - 1], ws.vreader, Operand::kValues);
       }
@@ -473,61 +454,10 @@ class CpuPagedAttention {
     }
   }
 
-#if PAGEDSPEC_CPU_LEVEL == 2
-  // P.V on the dot path for a task scored through a packed tile (scores_packed) on a tile that
-  // every row sees whole (the causal tail stays on accumulate_rows): each position pair's V
-  // vectors built once (an odd last position pairs with zeros and with the zero weight that
-  // exp2_weights leaves after it), then blocks of 8 rows (then 4, padded as in
-  // score_tile_packed) x 32 dimensions. The blocks of 4 rows rebuilt the pairs for every block.
-  void accumulate_tile_packed(Workspace& ws, int R, int n) const {
-    const int D = p_.head_size;
-    const int pairs = (n + 1) / 2;
-    const int per_pair = D / 16;
-    static thread_local std::vector<uint32_t, LineAligned<uint32_t>> storage;
-    storage.resize(size_t(kTile / 2) * per_pair * 16);
-    __m512i* paired = reinterpret_cast<__m512i*>(storage.data());  // [pairs][D / 16] vectors
-    const std::optional<Fp8ImageLookup> lookup = fp8_lookup(ws, ws.vreader);
-    for (int p = 0; p < pairs; ++p) {
-      const int t = 2 * p;
-      const bool pair = t + 1 < n;
-      __m512i* out = paired + p * per_pair;
-      if constexpr (F != CacheFormat::kNative) {
-        if (lookup) {  // codes converted in registers (ws.dot_fp8)
-          for (int d = 0; d < D; d += 64) {
-            fp8_value_pair(as_codes(ws.vrows), t, pair, d, *lookup, out + d / 16);
-          }
-          continue;
-        }
-      }
-      for (int d = 0; d < D; d += 32) bf16_value_pair(ws.dot_vrows, t, pair, d, out + d / 16);
-    }
-    for (int r0 = 0; r0 < R;) {
-      const int nr = packed_block_rows(R - r0);
-      float* acc = ws.acc.data() + size_t(r0) * D;
-      const uint16_t* w = ws.w_bf16.data() + r0 * kTile;
-      for (int d0 = 0; d0 < D; d0 += 32) {
-        nr == 8 ? accumulate_paired_values<8, 2>(acc, w, kTile, paired, pairs, D, d0)
-                : accumulate_paired_values<4, 2>(acc, w, kTile, paired, pairs, D, d0);
-      }
-      r0 += nr;
-    }
-  }
-#endif
-
   // A head's rows after its last tile: accumulators back in dimension order.
   void end_head(const Task& task, Workspace& ws) const {
-    [[maybe_unused]] const int D = p_.head_size;  // used at the avx512 level only
-    const int R = task.num_rows;
     if (ws.amx) amx_end();
-    set_acc_order(ws, R, false);
-#if PAGEDSPEC_CPU_LEVEL == 2
-    if (ws.dot) {
-      for (int r = 0; r < R; ++r) {
-        float* acc = ws.acc.data() + size_t(r) * D;
-        ws.dot_fp8 ? fp8_dot_to_natural(acc, D) : dot_to_natural(acc, D);
-      }
-    }
-#endif
+    set_acc_order(ws, task.num_rows, false);
   }
 
   // acc[r] += sum over the positions row r sees of w[r][t] * v[t], for rows r0 .. r0 + nr - 1.
@@ -539,9 +469,6 @@ class CpuPagedAttention {
   // share of the tile's prefetch steps (tile_steps).
   void accumulate_rows(Workspace& ws, int r0, int nr, TilePrefetch& pf) const {
     const int D = p_.head_size;
-#if PAGEDSPEC_CPU_LEVEL == 2
-    const std::optional<Fp8ImageLookup> lookup = fp8_lookup(ws, ws.vreader);
-#endif
     int begin = 0;
     for (int i = 0; i < nr; ++i) {
       const int end = ws.visible[r0 + i];
@@ -549,25 +476,6 @@ class CpuPagedAttention {
         const int row = r0 + i;
         const PrefetchSteps step{r0 == 0 && begin == 0 ? &pf : nullptr};
         with_rows(nr - i, [&](auto NR) {
-#if PAGEDSPEC_CPU_LEVEL == 2
-          if constexpr (kDotCapable) {
-            if constexpr (F != CacheFormat::kNative) {
-              if (ws.dot_fp8) {
-                accumulate_block_fp8_dot<NR>(ws.acc.data() + size_t(row) * D,
-                                             ws.w_bf16.data() + row * kTile + begin,
-                                             as_codes(ws.vrows) + begin, end - begin, D, kTile,
-                                             *lookup, step);
-                return;
-              }
-            }
-            if (ws.dot) {
-              accumulate_block_dot<NR>(ws.acc.data() + size_t(row) * D,
-                                       ws.w_bf16.data() + row * kTile + begin,
-                                       ws.dot_vrows + begin, end - begin, D, kTile, step);
-              return;
-            }
-          }
-#endif
           if constexpr (F != CacheFormat::kNative) {
             if (ws.fp8_images) {
               accumulate_block<NR>(ws.acc.data() + size_t(row) * D,

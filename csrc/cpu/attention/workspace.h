@@ -16,8 +16,8 @@
     // The AMX decode path's states, kAmxDecodeChunks of them (attend_item_amx_decode).
     std::unique_ptr<AmxDecode[]> decode;
     bool amx_decode = false;  // this task runs that path
-    // The dot path's query rows ([rows, D] bf16 bits) and weights ([rows, kTile] bf16 bits).
-    std::vector<uint16_t> q_bf16, w_bf16;
+    // The dot path's query rows ([rows, D] bf16 bits).
+    std::vector<uint16_t> q_bf16;
     // ... and for tasks that score through score_tile_lanes (uses_score_lanes), the query rows
     // in row pairs instead (lane_pair_queries).
     std::vector<uint16_t> q_lanes;
@@ -29,7 +29,6 @@
     const CacheT* krows[kTile];
     const CacheT* vrows[kTile];
     CacheReader<CacheT, F> kreader, vreader;
-    const uint16_t* const* dot_vrows = nullptr;  // the dot path: this tile's V rows as bf16
     // The FMA path reads this task's FP8 K and V tiles as images (fp8_image_rows: converted
     // once per tile, then read as a bf16 cache is) instead of converting the codes
     // for every block of rows, which the 20 rows of a 5-token draft at group 4 did 5 times at
@@ -69,7 +68,7 @@
   // than kImageMinBlocks would convert each code.
   void set_dot(Workspace& ws, bool dot, int R) const {
     ws.dot = dot;
-    ws.fp8_images = fp8_images_ && !dot && R > kImageMinBlocks * kRowBlock;
+    ws.fp8_images = fp8_images_ && R > kImageMinBlocks * kRowBlock;  // V only, with dot scores
     // FP8 codes converted as they are read where D allows (score_block_fp8_dot), else images.
     // Converting them once per block of 4 rows, not once per tile, is no slower for the 20 rows
     // of a 5-token draft at group 4 (A/B: 14.4 against 14.5 ms at B=8 ctx=2048, 1 thread).
@@ -77,7 +76,6 @@
     if (!dot) return;
     ws.q_bf16.resize(size_t(kMaxRows) * p_.head_size);
     ws.q_lanes.resize(size_t(kMaxRows) * p_.head_size);
-    ws.w_bf16.resize(size_t(kMaxRows) * kTile);
   }
 
   // Whether the dot path reads FP8 codes converted in registers (else bf16 rows: a bf16 cache's,
@@ -85,7 +83,7 @@
   bool dot_fp8_codes() const { return F != CacheFormat::kNative && p_.head_size % 64 == 0; }
   // The dot path's scores for R rows: from bf16 rows through score_tile_lanes up to
   // kLanesMaxRows rows, then through a packed tile (score_tile_packed), as are FP8 codes from
-  // kPackedMinRows rows; the P.V of packed tiles builds its V pairs once (accumulate_tile_packed).
+  // kPackedMinRows rows.
   static bool uses_score_lanes(const Workspace& ws, int R) {
     return kDotCapable && ws.dot && !ws.dot_fp8 && R <= kLanesMaxRows;
   }
