@@ -30,8 +30,7 @@
       static const uint16_t kZeroRow[kAmxDecodeMaxDims] = {};
       for (int h = 0; h < HK; ++h) {
         Workspace& ws = heads[h];
-        ws.amx = ws.dot = ws.dot_fp8 = false;
-        ws.amx_decode = true;
+        enter_path(ws, Path::kAmxDecode, R);
         load_queries(with_head(item, item.kv_head + h), ws);
         const uint16_t* rows[kMaxRows];
         tile_operands(ws, R, rows);
@@ -118,7 +117,7 @@
         for (int c = 0; c < chunks; ++c) {
           amx_decode_result(heads[h].decode[c], heads[h].acc.data() + size_t(c) * chunk_rows * D);
         }
-        heads[h].amx_decode = false;
+        heads[h].path = Path::kFma;  // the item is done; the next task chooses again
       }
     } else {
       (void)item, (void)next, (void)first_prefetched, (void)heads, (void)pf;

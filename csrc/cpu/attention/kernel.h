@@ -146,8 +146,8 @@ class CpuPagedAttention {
            int64_t(info.head) * p_.q_head_stride;
   }
 
-  // Locates the task's query rows and loads them: as stored for the dot path (ws.dot, which
-  // scales its float32 scores), not at all for the AMX path (ws.amx, which packs the unscaled
+  // Locates the task's query rows and loads them: as stored for the dot path (which scales its
+  // float32 scores), not at all for the AMX paths (Path::kAmx packs the unscaled
   // rows itself), else scaled into the log2 domain (and by the K factor).
   void load_queries(const Task& task, Workspace& ws) const {
     const int D = p_.head_size;
@@ -167,9 +167,9 @@ class CpuPagedAttention {
 #endif
     for (int r = 0; r < task.num_rows; ++r) {
       const RowInfo& info = ws.rows[r];
-      if (ws.amx || ws.amx_decode) continue;
+      if (ws.path == Path::kAmx || ws.path == Path::kAmxDecode) continue;
       const QT* src = query_row(info);
-      if (ws.dot) {
+      if (ws.path == Path::kDot) {
         uint16_t* dst = ws.q_bf16.data() + size_t(r) * D;
 #if PAGEDSPEC_CPU_LEVEL == 2
         if (ws.dot_fp8) {
@@ -221,12 +221,12 @@ class CpuPagedAttention {
     [[maybe_unused]] const float dot_scale = score_scale(task.kv_head);
     [[maybe_unused]] const uint16_t* const* dot_krows = nullptr;
     if constexpr (kDotCapable) {
-      if (ws.dot && !ws.dot_fp8) {
+      if (ws.path == Path::kDot && !ws.dot_fp8) {
         dot_krows = bf16_rows(ws.krows, 0, ws.visible[R - 1], ws.kreader, Operand::kKeys);
       }
     }
     const ImageT* const* k_images =
-        ws.fp8_images && !ws.dot
+        ws.fp8_images && ws.path != Path::kDot
             ? fp8_image_rows(ws.krows, ws.visible[R - 1], ws.kreader, Operand::kKeys)
             : nullptr;
 #if PAGEDSPEC_CPU_LEVEL == 2
@@ -236,7 +236,7 @@ class CpuPagedAttention {
         score_tile_lanes(task, ws, dot_krows, pf);
         return;
       }
-      if (ws.dot && scores_packed(R, ws.dot_fp8)) {
+      if (ws.path == Path::kDot && scores_packed(R, ws.dot_fp8)) {
         score_tile_packed(task, ws, dot_krows, lookup ? &*lookup : nullptr, pf);
         return;
       }
@@ -282,7 +282,7 @@ class CpuPagedAttention {
     }
     // The FMA path's scores times the power of two its queries left out (only for scales above
     // 2^16 / log2(e): fma_score_factor); the dot path's blocks scaled theirs whole.
-    if (!ws.dot && ws.score_factor != 1.0f) {
+    if (ws.path != Path::kDot && ws.score_factor != 1.0f) {
       for (int r = 0; r < R; ++r) {
         scale_row(ws.w.data() + r * kTile, ws.score_factor, ws.visible[r]);
       }
@@ -349,7 +349,7 @@ class CpuPagedAttention {
   // `first_prefetched` says whether the previous item prefetched this one's.
   void attend_item(const Task& item, const Task* next, bool first_prefetched,
                    std::vector<Workspace>& heads, TilePrefetch& pf) const {
-    if (use_amx_decode()) {
+    if (choose_path(item.num_rows) == Path::kAmxDecode) {
       attend_item_amx_decode(item, next, first_prefetched, heads, pf);
       return;
     }
@@ -380,9 +380,9 @@ class CpuPagedAttention {
   // A head's rows before its first tile: path, queries, empty states.
   void begin_head(const Task& task, Workspace& ws) const {
     const int R = task.num_rows;
-    choose_path(ws, R);
+    enter_path(ws, choose_path(R), R);
     load_queries(task, ws);
-    if (ws.amx) begin_amx(ws, R);
+    if (ws.path == Path::kAmx) begin_amx(ws, R);
     ws.kreader.init();
     ws.vreader.init();
     std::fill(ws.acc.begin(), ws.acc.begin() + size_t(R) * p_.head_size, 0.0f);
@@ -419,7 +419,7 @@ class CpuPagedAttention {
     const int D = p_.head_size;
     const int R = task.num_rows;
     locate_tile(task, ws, start, n);
-    if (ws.amx) {
+    if (ws.path == Path::kAmx) {
       score_tile_amx(task, ws, n, pf);
     } else {
       score_tile(task, ws, pf);
@@ -435,7 +435,7 @@ class CpuPagedAttention {
         st.sum += exp2_weights(w, visible, st.max);
       }
     }
-    if (ws.amx && n == kTile && ws.visible[0] == kTile) {
+    if (ws.path == Path::kAmx && n == kTile && ws.visible[0] == kTile) {
       // Every row sees the whole tile (rows ascend, so the first sees the least): no position
       // is past a row's limit, so the tile multiply may take them all (the causal tail and
       // partial tiles stay on the FMA path, which accumulates per visible segment).
@@ -456,7 +456,7 @@ class CpuPagedAttention {
 
   // A head's rows after its last tile: accumulators back in dimension order.
   void end_head(const Task& task, Workspace& ws) const {
-    if (ws.amx) amx_end();
+    if (ws.path == Path::kAmx) amx_end();
     set_acc_order(ws, task.num_rows, false);
   }
 

@@ -31,7 +31,7 @@
             const Task task{span.seq, kv_head, 1, row0, std::min(kMaxRows, q_len * G - row0),
                             span.pos_begin, span.pos_end, 0};
             // Scores as attend_tile() computes them (AMX aside).
-            set_dot(ws, bf16_dot_, task.num_rows);
+            enter_path(ws, choose_path(task.num_rows, /*amx=*/false), task.num_rows);
             load_queries(task, ws);
             for (int r = 0; r < task.num_rows; ++r) {
               const int64_t row = int64_t(ws.rows[r].token) * p_.num_heads + ws.rows[r].head;

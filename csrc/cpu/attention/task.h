@@ -1,4 +1,4 @@
-// Task (one unit of work), RowInfo (where a row's query lives and what it may see) and the two
+// Path (a task's), Task (one unit of work), RowInfo (where a row's query lives and what it may see) and the two
 // row helpers the kernel's loop and epilogues share (scale_row, row_has_nan).
 // A part of cpu/attention_impl.h, included only there, inside its namespaces.
 #ifndef PAGEDSPEC_CPU_ATTENTION_PARTS
@@ -31,6 +31,14 @@ inline bool row_has_nan(const QT* row, int D) {
     return worst > kInf;
   }
 }
+
+// The paths a task's rows can take (CpuPagedAttention::choose_path picks one per task).
+enum class Path : uint8_t {
+  kFma,        // vector FMAs on float32 (every level, every dtype)
+  kDot,        // AVX512-BF16 dot-product scores, the FMA path's P.V (bf16 queries)
+  kAmx,        // AMX tile multiplies for scores and whole-tile P.V (opt-in, bf16 queries)
+  kAmxDecode,  // AMX with accumulators kept in tiles, a plan item's heads at once (opt-in)
+};
 
 // One unit of work. Rows are numbered within the sequence as row = j * G + g for query token j
 // and head g of the group, so the rows of one query token are adjacent.

@@ -1,6 +1,6 @@
-// Workspace, a thread's scratch for one KV head's rows, and the per-task path choice (use_amx,
-// choose_path, set_dot, the dot path's score layouts, use_amx_decode): which path a task takes
-// is decided here and nowhere else.
+// Workspace, a thread's scratch for one KV head's rows, and the per-task path choice
+// (choose_path over use_amx_decode, use_amx and the dot path's capability; enter_path; the dot
+// path's score layouts): which path a task takes is decided here and nowhere else.
 // Members of CpuPagedAttention, included only by cpu/attention/kernel.h, inside the class body
 // at this place in its member order.
 #ifndef PAGEDSPEC_CPU_ATTENTION_PARTS
@@ -12,17 +12,15 @@
     int head_size;
     std::vector<float> q, acc, w;
     std::vector<uint16_t> q_vnni;  // the AMX path's query rows (amx_pack_queries), if taken
-    bool amx = false;              // this task's scores come from amx_scores
+    Path path = Path::kFma;        // this task's path (choose_path)
     // The AMX decode path's states, kAmxDecodeChunks of them (attend_item_amx_decode).
     std::unique_ptr<AmxDecode[]> decode;
-    bool amx_decode = false;  // this task runs that path
     // The dot path's query rows ([rows, D] bf16 bits).
     std::vector<uint16_t> q_bf16;
     // ... and for tasks that score through score_tile_lanes (uses_score_lanes), the query rows
     // in row pairs instead (lane_pair_queries).
     std::vector<uint16_t> q_lanes;
-    bool dot = false;              // this task runs the bf16 dot-product path
-    bool dot_fp8 = false;          // ... on FP8 codes converted in registers (no images)
+    bool dot_fp8 = false;  // the dot path on FP8 codes converted in registers (no images)
     std::vector<RowInfo> rows;
     std::vector<SoftmaxState> state;
     std::vector<int> visible;
@@ -59,16 +57,25 @@
   // The bf16 dot-product path takes the AMX path's operands: bf16 queries on a bf16 cache, or on
   // an FP8 one through the bf16 images of its codes (bf16_rows).
   static constexpr bool kDotCapable = kAmxCapable;
-  // Chooses a task's path: AMX tile multiplies, the bf16 dot products or the FMA path.
-  void choose_path(Workspace& ws, int R) const {
-    ws.amx = use_amx(R);
-    set_dot(ws, bf16_dot_ && !ws.amx, R);
+
+  // The one place a task's path is chosen, from the configuration and the task's R rows:
+  // AMX decode (a whole plan item's heads, accumulators in tiles), AMX tile multiplies (scores
+  // and whole-tile P.V), AVX512-BF16 dot-product scores, or the FMA path (every level, every
+  // dtype; the others fall back to it for what they leave, such as a causal tail's P.V).
+  // `amx` false: the paths whose scores match attend_tile's without AMX (the mass pass).
+  Path choose_path(int R, bool amx = true) const {
+    if (amx && use_amx_decode()) return Path::kAmxDecode;
+    if (amx && use_amx(R)) return Path::kAmx;
+    return bf16_dot_ ? Path::kDot : Path::kFma;
   }
-  // ... and whether R rows on the FMA path read FP8 tiles as images: where more blocks of rows
-  // than kImageMinBlocks would convert each code.
-  void set_dot(Workspace& ws, bool dot, int R) const {
-    ws.dot = dot;
-    ws.fp8_images = fp8_images_ && R > kImageMinBlocks * kRowBlock;  // V only, with dot scores
+  // Sets a task's path and what follows from it and R: whether the FMA path's P.V (and, off the
+  // dot path, its scores) read FP8 tiles as images (where more blocks of rows than
+  // kImageMinBlocks would convert each code), and whether the dot path converts FP8 codes in
+  // registers.
+  void enter_path(Workspace& ws, Path path, int R) const {
+    ws.path = path;
+    const bool dot = path == Path::kDot;
+    ws.fp8_images = fp8_images_ && path != Path::kAmxDecode && R > kImageMinBlocks * kRowBlock;
     // FP8 codes converted as they are read where D allows (score_block_fp8_dot), else images.
     // Converting them once per block of 4 rows, not once per tile, is no slower for the 20 rows
     // of a 5-token draft at group 4 (A/B: 14.4 against 14.5 ms at B=8 ctx=2048, 1 thread).
@@ -85,7 +92,7 @@
   // kLanesMaxRows rows, then through a packed tile (score_tile_packed), as are FP8 codes from
   // kPackedMinRows rows.
   static bool uses_score_lanes(const Workspace& ws, int R) {
-    return kDotCapable && ws.dot && !ws.dot_fp8 && R <= kLanesMaxRows;
+    return kDotCapable && ws.path == Path::kDot && !ws.dot_fp8 && R <= kLanesMaxRows;
   }
   static bool scores_packed(int R, bool fp8_codes) {
     return fp8_codes ? R >= kPackedMinRows : R > kLanesMaxRows;
