@@ -378,6 +378,29 @@ def test_controller_model_on_synthetic_costs():
     assert np.mean([k > 0 for k in run(0.7, compute_bound, 5e-3, 64)]) <= 0.1
 
 
+def test_controller_charges_a_draft_model_its_catch_up():
+    """Turning a draft model back on feeds it every token its cache lacks: near break-even
+    (drafting predicted 1.10x), a batch whose draft caches lack many tokens stays at k = 0,
+    one whose caches are current drafts; the measured catch-up cost is per caught-up token."""
+    c = SpeculationController(max_k=1)
+    batch, keys = 8, list(range(8))
+    target = lambda t: 2e-2 + 1e-3 * t              # noqa: E731  verifying 8 more: 1.2x a step
+    c.observe_target(batch, target(batch))
+    c.observe_target(2 * batch, target(2 * batch))
+    c.observe_draft(batch, 2e-3)
+    for key in keys:
+        for _ in range(20):                          # acceptance 0.5 at position 1
+            c.observe_acceptance(key, 1, 1)
+            c.observe_acceptance(key, 1, 0)
+    c.observe_catch_up(batch, batch + 400, 2e-3 + 400 * 5e-5)
+    assert c.catch_up_cost == pytest.approx(5e-5)
+    c.warmup_steps, c.steps = 0, 1                   # past warm-up, no exploration due
+    c._next_explore = 10 ** 9
+    assert c.choose(keys, [100] * batch, 0, lacking=0) == 1
+    c._decided = None
+    assert c.choose(keys, [100] * batch, 0, lacking=48 * batch) == 0   # 48 steps skipped
+
+
 def test_controller_explores_rarely_while_drafting_loses_and_recovers():
     """A draft that is never accepted: after warm-up, exploration steps (the only drafting
     ones) come ever more rarely, at most every MAX_EXPLORE_EVERY steps, not one in
@@ -423,6 +446,9 @@ def with_synthetic_costs(controller: SpeculationController) -> SpeculationContro
     def goodput(num_seqs, k, tokens, seconds):
         observe_goodput(num_seqs, k, tokens, target(num_seqs * (1 + k)) + k * draft_pass)
     controller.observe_goodput = goodput
+    controller.observe_catch_up = lambda num_seqs, num_tokens, seconds: (
+        SpeculationController.observe_catch_up(controller, num_seqs, num_tokens,
+                                               draft_pass + 1e-4 * (num_tokens - num_seqs)))
     return controller
 
 

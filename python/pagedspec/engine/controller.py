@@ -19,6 +19,13 @@ size (in powers of two) and k; where steps drafting the chosen k have delivered 
 ones within the last ``GOODPUT_MEMORY`` steps, the controller does not draft (after that,
 the model may try again, so a change such as acceptance improving is seen).
 
+Switching a draft model back on. While k = 0, the draft model's cache falls behind: the first
+drafting pass after a pause (or for a new request) also feeds it every token it lacks. That is
+paid once per switch, so a drafting k is charged ``L * c / decide_every`` more per step: ``L``
+the tokens the batch's draft caches lack, ``c`` the measured seconds per caught-up token, and
+``decide_every`` the steps a decision holds at least. Without it, near break-even (batch 8,
+SmolLM2 and its draft) k flipped between 0 and 1 and the catch-ups took 5% of the run.
+
 Measurements. ``t`` and ``d`` are kept as moving averages in buckets of powers of two of their
 argument and interpolated linearly between measured buckets; above them ``t`` is extrapolated along the slope
 of the last two (proportionally to the tokens while only one is known: pessimistic for
@@ -186,6 +193,7 @@ class SpeculationController:
         self._goodput: dict[tuple[int, int], Goodput] = {}
         self.target_cost = CostCurve()          # seconds per target step, by tokens
         self.draft_cost = CostCurve()           # seconds per draft pass, by sequences
+        self.catch_up_cost: Optional[float] = None   # seconds per token a draft catches up
         self.steps = 0
         self.history: list[int] = []            # the k chosen at each step
         self.draft_limit: Optional[int] = None  # requests that draft this step (None: all)
@@ -202,6 +210,14 @@ class SpeculationController:
     def observe_draft(self, num_seqs: int, seconds: float) -> None:
         """One drafting pass (one token for each of ``num_seqs`` sequences) took ``seconds``."""
         self.draft_cost.observe(num_seqs, seconds)
+
+    def observe_catch_up(self, num_seqs: int, num_tokens: int, seconds: float) -> None:
+        """A drafting pass that also fed the draft model ``num_tokens - num_seqs`` tokens its
+        cache lacked took ``seconds``: what is beyond a plain pass, per caught-up token."""
+        plain = self.draft_cost(num_seqs) or 0.0
+        per_token = max(seconds - plain, 0.0) / max(num_tokens - num_seqs, 1)
+        old = self.catch_up_cost
+        self.catch_up_cost = per_token if old is None else 0.8 * old + 0.2 * per_token
 
     def observe_goodput(self, num_seqs: int, k: int, tokens: int, seconds: float) -> None:
         """A decode-only step's result: ``tokens`` emitted by ``num_seqs`` sequences drafting
@@ -253,8 +269,10 @@ class SpeculationController:
         return np.take_along_axis(per_request, np.maximum(ks, 0), axis=1).sum(axis=0)
 
     def predicted_rates(self, request_keys: Sequence[int], room: Sequence[int],
-                        other_tokens: int) -> list[Optional[float]]:
-        """Expected tokens per second of a step drafting up to k, for k = 0..max_k."""
+                        other_tokens: int, lacking: int = 0) -> list[Optional[float]]:
+        """Expected tokens per second of a step drafting up to k, for k = 0..max_k, the
+        draft caches lacking ``lacking`` tokens (their catch-up spread over decide_every)."""
+        switch = lacking * (self.catch_up_cost or 0.0) / self.decide_every
         emitted = self.expected_tokens(request_keys, room)
         room = np.maximum(np.asarray(room), 0)
         rates: list[Optional[float]] = []
@@ -263,13 +281,15 @@ class SpeculationController:
             t = self.target_cost(other_tokens + len(ks) + int(ks.sum()))
             passes = int(ks.max()) if len(ks) else 0
             d = self.draft_cost(len(request_keys)) if passes else 0.0
-            rates.append(None if t is None or d is None else emitted[k] / (t + passes * d))
+            cost = None if t is None or d is None else t + passes * d + (switch if passes else 0)
+            rates.append(None if cost is None else emitted[k] / cost)
         return rates
 
     def choose(self, request_keys: Sequence[int], room: Sequence[int],
-               other_tokens: int) -> int:
+               other_tokens: int, lacking: int = 0) -> int:
         """k for this step, given the decoding requests (``room``: drafts each may still take
-        before its length limit) and the step's other (prefill) tokens. After the call,
+        before its length limit), the step's other (prefill) tokens and the tokens the draft
+        model's caches lack beyond a pass's usual (0 for n-gram drafts). After the call,
         ``draft_limit`` is how many of the requests draft (None: all): learning steps (warm-up,
         exploration) draft for a quarter of the batch only, so what they cost stays small."""
         self.draft_limit = None
@@ -289,7 +309,7 @@ class SpeculationController:
                 k = self._decided[2]          # same batch size, recent decision: keep it
             else:
                 rates = [r or 0.0 for r in self.predicted_rates(request_keys, room,
-                                                                  other_tokens)]
+                                                                  other_tokens, lacking)]
                 k = -max((r, -k) for k, r in enumerate(rates))[1]
                 self._margin = rates[1] / rates[0] if rates[0] > 0 else 0.0
                 if self._decided is not None and rates[k] < self.HYSTERESIS * rates[

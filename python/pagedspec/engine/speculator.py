@@ -57,7 +57,8 @@ class Speculator:
         prefill = sum(len(s.token_ids) - s.num_computed_tokens for s in running
                       if not s.is_decoding)
         other = min(prefill, max_num_batched_tokens - len(decoding))
-        k = self.controller.choose([s.seq_id for s in decoding], room, max(other, 0))
+        k = self.controller.choose([s.seq_id for s in decoding], room, max(other, 0),
+                                   self._lacking(decoding))
         if self.ngram is not None:        # index new tokens outside the timed proposal
             for seq in decoding:
                 self.ngram.update(seq.seq_id, seq.token_ids)
@@ -99,6 +100,15 @@ class Speculator:
                 limit = 1     # every cache is stale: one sequence learns, at one's catch-up
         return set(order[:limit])
 
+    def _lacking(self, decoding: Seq[Sequence]) -> int:
+        """Tokens the draft model's caches lack beyond the two a drafting pass feeds anyway
+        (the bonus token and the last accepted draft): what switching drafting on would feed."""
+        model = self.draft_model
+        if model is None:
+            return 0
+        return sum(max(len(s.token_ids) - model.computed_tokens(s.seq_id) - 2, 0)
+                   for s in decoding)
+
     def draft(self, batch: StepBatch, lookup: SeqLookup, synchronize: Callable[[float], float]
               ) -> list[Optional[torch.Tensor]]:
         """After scheduling: keeps the draft cache in step with the batch's block moves, runs
@@ -136,10 +146,12 @@ class Speculator:
         # the draft cache up, which costs more the first time (the prompt): it is left out then.
         passes = model.pass_times
         seqs, tokens, seconds = passes[0]
+        extra = (total - sum(t for _, _, t in passes)) / len(passes)
         if tokens > seqs:
             self.stats.catch_up_tokens += tokens - seqs
             self.stats.catch_up_seconds += seconds
-        extra = (total - sum(t for _, _, t in passes)) / len(passes)
+        if tokens > 2 * seqs:
+            self.controller.observe_catch_up(seqs, tokens, seconds + extra)
         for num_seqs, num_tokens, seconds in passes:
             if num_tokens <= 2 * num_seqs:
                 self.controller.observe_draft(num_seqs, seconds + extra)
