@@ -399,6 +399,8 @@ def test_controller_charges_a_draft_model_its_catch_up():
     assert c.choose(keys, [100] * batch, 0, lacking=0) == 1
     c._decided = None
     assert c.choose(keys, [100] * batch, 0, lacking=48 * batch) == 0   # 48 steps skipped
+    c._decided = None       # a new batch's prompts are paid once in its life: it drafts
+    assert c.choose(keys, [100] * batch, 0, lacking_new=48 * batch) == 1
 
 
 def test_controller_explores_rarely_while_drafting_loses_and_recovers():

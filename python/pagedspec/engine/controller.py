@@ -20,11 +20,13 @@ ones within the last ``GOODPUT_MEMORY`` steps, the controller does not draft (af
 the model may try again, so a change such as acceptance improving is seen).
 
 Switching a draft model back on. While k = 0, the draft model's cache falls behind: the first
-drafting pass after a pause (or for a new request) also feeds it every token it lacks. That is
-paid once per switch, so a drafting k is charged ``L * c / decide_every`` more per step: ``L``
-the tokens the batch's draft caches lack, ``c`` the measured seconds per caught-up token, and
+drafting pass after a pause also feeds it every token it skipped. That is paid once per
+switch, so a drafting k is charged ``L * c / decide_every`` more per step: ``L`` the tokens the
+batch's paused draft caches lack, ``c`` the measured seconds per caught-up token, and
 ``decide_every`` the steps a decision holds at least. Without it, near break-even (batch 8,
-SmolLM2 and its draft) k flipped between 0 and 1 and the catch-ups took 5% of the run.
+SmolLM2 and its draft) k flipped between 0 and 1 and the catch-ups took 5% of the run. A new
+request's prompt is paid once in its life if it ever drafts: it is spread over the requests'
+mean room instead (spread over decide_every, it kept a draft that won 1.12x at batch 1 off).
 
 Measurements. ``t`` and ``d`` are kept as moving averages in buckets of powers of two of their
 argument and interpolated linearly between measured buckets; above them ``t`` is extrapolated along the slope
@@ -269,10 +271,14 @@ class SpeculationController:
         return np.take_along_axis(per_request, np.maximum(ks, 0), axis=1).sum(axis=0)
 
     def predicted_rates(self, request_keys: Sequence[int], room: Sequence[int],
-                        other_tokens: int, lacking: int = 0) -> list[Optional[float]]:
+                        other_tokens: int, lacking: int = 0,
+                        lacking_new: int = 0) -> list[Optional[float]]:
         """Expected tokens per second of a step drafting up to k, for k = 0..max_k, the
-        draft caches lacking ``lacking`` tokens (their catch-up spread over decide_every)."""
-        switch = lacking * (self.catch_up_cost or 0.0) / self.decide_every
+        draft caches lacking ``lacking`` tokens after a pause (their catch-up spread over
+        decide_every) and ``lacking_new`` of new requests (spread over the mean room)."""
+        horizon = max(float(np.mean(room)) if len(room) else 0.0, self.decide_every)
+        switch = (self.catch_up_cost or 0.0) * (lacking / self.decide_every
+                                                + lacking_new / horizon)
         emitted = self.expected_tokens(request_keys, room)
         room = np.maximum(np.asarray(room), 0)
         rates: list[Optional[float]] = []
@@ -286,10 +292,11 @@ class SpeculationController:
         return rates
 
     def choose(self, request_keys: Sequence[int], room: Sequence[int],
-               other_tokens: int, lacking: int = 0) -> int:
+               other_tokens: int, lacking: int = 0, lacking_new: int = 0) -> int:
         """k for this step, given the decoding requests (``room``: drafts each may still take
         before its length limit), the step's other (prefill) tokens and the tokens the draft
-        model's caches lack beyond a pass's usual (0 for n-gram drafts). After the call,
+        model's caches lack beyond a pass's usual, after a pause and for requests that never
+        drafted (0 for n-gram drafts). After the call,
         ``draft_limit`` is how many of the requests draft (None: all): learning steps (warm-up,
         exploration) draft for a quarter of the batch only, so what they cost stays small."""
         self.draft_limit = None
@@ -309,7 +316,8 @@ class SpeculationController:
                 k = self._decided[2]          # same batch size, recent decision: keep it
             else:
                 rates = [r or 0.0 for r in self.predicted_rates(request_keys, room,
-                                                                  other_tokens, lacking)]
+                                                                  other_tokens, lacking,
+                                                                  lacking_new)]
                 k = -max((r, -k) for k, r in enumerate(rates))[1]
                 self._margin = rates[1] / rates[0] if rates[0] > 0 else 0.0
                 if self._decided is not None and rates[k] < self.HYSTERESIS * rates[

@@ -58,7 +58,7 @@ class Speculator:
                       if not s.is_decoding)
         other = min(prefill, max_num_batched_tokens - len(decoding))
         k = self.controller.choose([s.seq_id for s in decoding], room, max(other, 0),
-                                   self._lacking(decoding))
+                                   *self._lacking(decoding))
         if self.ngram is not None:        # index new tokens outside the timed proposal
             for seq in decoding:
                 self.ngram.update(seq.seq_id, seq.token_ids)
@@ -100,14 +100,21 @@ class Speculator:
                 limit = 1     # every cache is stale: one sequence learns, at one's catch-up
         return set(order[:limit])
 
-    def _lacking(self, decoding: Seq[Sequence]) -> int:
+    def _lacking(self, decoding: Seq[Sequence]) -> tuple[int, int]:
         """Tokens the draft model's caches lack beyond the two a drafting pass feeds anyway
-        (the bonus token and the last accepted draft): what switching drafting on would feed."""
+        (the bonus token and the last accepted draft), what switching drafting on would feed:
+        (over caches that drafted before, over new requests' empty ones)."""
         model = self.draft_model
-        if model is None:
-            return 0
-        return sum(max(len(s.token_ids) - model.computed_tokens(s.seq_id) - 2, 0)
-                   for s in decoding)
+        paused = new = 0
+        if model is not None:
+            for s in decoding:
+                computed = model.computed_tokens(s.seq_id)
+                lacking = max(len(s.token_ids) - computed - 2, 0)
+                if computed:
+                    paused += lacking
+                else:
+                    new += lacking
+        return paused, new
 
     def draft(self, batch: StepBatch, lookup: SeqLookup, synchronize: Callable[[float], float]
               ) -> list[Optional[torch.Tensor]]:
