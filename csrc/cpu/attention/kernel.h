@@ -295,16 +295,16 @@ class CpuPagedAttention {
   // where 4 or fewer remain (padded up to it), so R rows take ceil(R / 8) blocks.
   static int packed_block_rows(int left) { return left > 4 ? 8 : 4; }
 
-  // The pf.step() calls attend_tile makes for one head's R rows on an n-position tile:
-  // score_tile_packed's, one per kPackedStepPairs pairs of each row block, and the P.V's as
-  // below; the AMX paths', one
-  // per position; else one per position of the first score block and one per position and pass
+  // The pf.step() calls attend_tile makes for one head's R rows on an n-position tile: the AMX
+  // path's, one per position; score_tile_packed's, one per kPackedStepPairs pairs of each row
+  // block; else one per position of the first score block; and then one per position and pass
   // over D (value_passes) of the first rows' P.V, so that the lines are asked for all through the
   // tile. Without the P.V's share, prefetches came as bursts in the score loop and the memory sat
   // idle through the P.V: float32 decode ran at about the sum of the two (bench/NOTES.md).
   int tile_steps(int R, int n) const {
-    if (use_amx(R)) return n;
-    if (kDotCapable && bf16_dot_ && scores_packed(R, dot_fp8_codes())) {
+    const Path path = choose_path(R);
+    if (path == Path::kAmx) return n;
+    if (path == Path::kDot && scores_packed(R, dot_fp8_codes())) {
       const int blocks = (R + 7) / 8;
       return blocks * ((p_.head_size / 2 + kPackedStepPairs - 1) / kPackedStepPairs) +
              n * value_passes();
@@ -312,8 +312,7 @@ class CpuPagedAttention {
     return n * (1 + value_passes());
   }
   // accumulate_block's passes over D (spans of kValueSpan vectors, then of one load_pair, then
-  // single vectors), or the dot path's (64 dimensions, then 32; FP8 in registers: 64, D being a
-  // multiple).
+  // single vectors): the FMA path's P.V, which every path but AMX's whole tiles takes.
   int value_passes() const {
     const int D = p_.head_size;
     constexpr int kSpan = kValueSpan * kRegLanes, kStep = kRowStep<Reader> * kRegLanes;
