@@ -1,8 +1,13 @@
 """Shared test fixtures: the device grid (CUDA cases skip with a reason when no GPU is present)
-and seeded random generators, so every test uses fresh, reproducible random data."""
+and seeded random generators, so every test uses fresh, reproducible random data; and
+load_script, a tools/ script as a module."""
 from __future__ import annotations
 
+import importlib.util
+import sys
 import zlib
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -16,6 +21,15 @@ CUDA_SKIP_REASON = (
 )
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=CUDA_SKIP_REASON)
+
+
+def load_script(path: Path) -> ModuleType:
+    """A script (tools/*.py) as a module named after its file, for its functions."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module          # dataclasses look their module up while defined
+    spec.loader.exec_module(module)
+    return module
 
 # Parametrize a test over devices with `@pytest.mark.parametrize("device", DEVICES)`.
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, requires_cuda])]

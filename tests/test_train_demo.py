@@ -3,7 +3,6 @@ corpus split, the files it writes, and that both checkpoints load in ``transform
 pagedspec, whose greedy tokens and logprobs must be those of ``transformers``."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -17,6 +16,7 @@ import torch
 
 from pagedspec import LLM, SamplingParams
 from pagedspec.models import load_checkpoint
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "train_demo_models.py"
@@ -37,11 +37,7 @@ def out(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def script():
     """The script as a module, for its functions."""
-    spec = importlib.util.spec_from_file_location("train_demo_models", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module          # dataclasses look their module up while defined
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_held_out_modules_exist_and_stay_out_of_training(script):

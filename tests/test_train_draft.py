@@ -3,16 +3,16 @@ the held-out split, the transformers loader), and the shipped SmolLM2 draft's te
 acceptance recomputed on a slice when the target is cached."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "train_draft.py"
@@ -26,11 +26,7 @@ FILES = ["config.json", "model.safetensors", "draft_vocab.json", "tokenizer.json
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("train_draft", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module          # dataclasses look their module up while defined
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def tiny_target(path: Path) -> Path:

@@ -41,7 +41,6 @@ import collections
 import importlib
 import inspect
 import json
-import math
 import os
 import platform
 import shlex
@@ -58,6 +57,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+# The demo pair's recipe, beside this file, for the pieces both recipes share (also when this
+# file is loaded by path, as its tests do).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_demo_models import SKIP_DIRS, cpu_name, lr_at, make_optimizer  # noqa: E402
+
 EMBEDDING = "model.embed_tokens.weight"
 BORROWED_KEY = "pagedspec_borrowed_weights"
 DRAFT_LAYERS = 2
@@ -69,8 +73,6 @@ MIN_COVERAGE = 0.97
 SAMPLE_TEMPERATURE = 0.7
 MAX_PROMPT_TOKENS = 256           # so that prompt + continuation fits one training sequence
 PROBE_STEPS = 6                   # steps timed before the budgeted schedule is fixed
-MIN_LR_FRACTION = 0.1
-SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 FALLBACK_TEMPLATE = "plain 'User: ...\\nAssistant:' rendering (the target has no chat template)"
 SMOKE = dict(kv_cache_gib=0.1, gen_minutes=0.3, train_minutes=0.05, init_trial_steps=3,
              max_new_tokens=8,
@@ -486,16 +488,6 @@ def validation_loss(model, head: torch.Tensor, examples: Sequence[Example], inde
     return total / max(1, count)
 
 
-def lr_at(step: int, total: Optional[int], warmup: int, peak: float) -> float:
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    if total is None:
-        return peak
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    cosine = 0.5 * (1 + math.cos(math.pi * progress))
-    return peak * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
-
-
 def train(model, head: torch.Tensor, examples: Sequence[Example], val: Sequence[Example],
           index: torch.Tensor, *, lr: float, warmup: int, weight_decay: float,
           tokens_per_step: int, steps: Optional[int], budget_s: float, evals: int, seed: int,
@@ -505,10 +497,7 @@ def train(model, head: torch.Tensor, examples: Sequence[Example], val: Sequence[
     passes over the data: on a small data set more passes only overfit."""
     epoch_steps = len(epoch_batches(examples, tokens_per_step, np.random.default_rng([seed, 6])))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95))
+    optimizer = make_optimizer(model, lr, weight_decay)
     stream = batches(examples, tokens_per_step, np.random.default_rng([seed, 4]))
     start = time.perf_counter()
     history = [{"step": 0, "val_loss": validation_loss(model, head, val, index)}]
@@ -741,15 +730,7 @@ def target_embedding(target: str) -> torch.Tensor:
 
 
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(),
             "isa": torch.backends.cpu.get_cpu_capability()}
 
