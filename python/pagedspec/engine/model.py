@@ -8,13 +8,15 @@ Implementations live in :mod:`pagedspec.models` (one file per architecture famil
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 # attend(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> [T, Hq, D], in the model's dtype.
 # q and k already carry the position encoding; k and v may be strided views (last dim dense).
 AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# One layer's attention: attend(q, k, v), the same shapes.
+LayerAttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class CausalLM(Protocol):
@@ -29,11 +31,30 @@ class CausalLM(Protocol):
     scale: float             # softmax scale of the attention logits
     device: torch.device
     dtype: torch.dtype       # activations and weights
+    layers: Sequence[Any]    # each layer's weights, opaque to the engine, passed back below
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attend: AttendFn) -> torch.Tensor:
         """Final-norm hidden states ``[T, hidden]`` of int64 ``input_ids`` ``[T]`` at int64
-        ``positions`` ``[T]``."""
+        ``positions`` ``[T]``: ``final_norm`` of every ``decoder_layer`` in turn on
+        ``embed_input``."""
+        ...
+
+    # The forward in pieces, for a compiler that takes one layer at a time (every layer runs the
+    # same code on other weights, so one graph serves them all).
+    def embed_input(self, input_ids: torch.Tensor, positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, Any]:
+        """The hidden states ``[T, hidden]`` entering layer 0 and the per-token position state
+        (tensors) every layer reads."""
+        ...
+
+    def decoder_layer(self, weights: Any, hidden: torch.Tensor, position_state: Any,
+                      attend: LayerAttendFn) -> torch.Tensor:
+        """Layer ``weights`` (an element of ``layers``) on ``hidden``; a function of its
+        arguments only."""
+        ...
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ headroom costs precision only in the subnormal range.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -41,12 +42,16 @@ CALIBRATION_TOKENS = 256
 class ModelRunner:
     """Runs ``model`` on ``kv_cache``'s device; the model's weights must live there too.
 
-    ``compile=True`` runs the forward pass through ``torch.compile`` (inductor), with pagedspec's
-    ops as opaque custom ops (their fake kernels give the shapes), so the elementwise work around
-    the GEMMs (norms, RoPE, SwiGLU, residual adds) fuses. Per-step tensors are marked dynamic in
-    their step-varying dimensions, so varying token and sequence counts reuse a few graphs (one
-    or one and a size-1 specialization per kind of step) instead of recompiling; the first step
-    of each kind pays the compilation once per process. FP8 calibration steps run eagerly."""
+    ``compile=True`` runs each decoder layer through ``torch.compile`` (inductor), with
+    pagedspec's ops as opaque custom ops (their fake kernels give the shapes), so the elementwise
+    work around the GEMMs (norms, RoPE, SwiGLU, residual adds) fuses. One graph serves every
+    layer (the layer's weights, caches and scales are its arguments): compiling one layer
+    instead of the whole unrolled model cuts the cold compile several-fold (PyTorch's "regional
+    compilation"). Per-step tensors are marked dynamic in their step-varying dimensions, so
+    varying token and sequence counts reuse a few graphs (one or one and a size-1
+    specialization per kind of step) instead of recompiling; the first step of each kind pays
+    the compilation once per process. The embedding lookup, final norm and LM head run eagerly,
+    and so do FP8 calibration steps."""
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, calibrate_fp8: bool = False,
                  calibration_tokens: int = CALIBRATION_TOKENS, compile: bool = False):
@@ -77,15 +82,15 @@ class ModelRunner:
         self.num_steps = 0             # forward passes run (the target model's step count)
         self.compiled = bool(compile)
         self.prepacked = not compile and model.prepack_weights()
-        self._forward = self._eager_forward
+        self._layer = self._layer_forward
         if compile:
-            # Every runner (target, draft) shares _eager_forward's code object, whose graphs
+            # Every runner (target, draft) shares _layer_forward's code object, whose graphs
             # dynamo counts against one limit (8 by default): a few kinds of step per model need
             # more. vLLM raises it too.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             # dynamic=None: sizes start static and only the dimensions marked below (or seen to
             # vary) become symbolic; fullgraph: a break would silently leave the ops eager.
-            self._forward = torch.compile(self._eager_forward, dynamic=None, fullgraph=True)
+            self._layer = torch.compile(self._layer_forward, dynamic=None, fullgraph=True)
 
     def _track_moves(self, moves) -> None:
         """Blocks that calibration-era K/V reached through this step's swaps and copies."""
@@ -154,20 +159,17 @@ class ModelRunner:
         inputs = (batch.input_ids.to(dev), batch.positions.to(dev), slot_mapping, block_tables,
                   seq_lens, cu_seqlens_q, plan.plan, plan.workspace)
         if calibrate:
-            hidden = self._eager_forward(
-                *inputs, batch.max_q_len, attn_mass,
+            hidden = self._run_layers(
+                self._layer_forward, *inputs, batch.max_q_len, attn_mass,
                 on_kv=lambda layer, k, v: self._calibrate(layer, k, v, written, written_cpu))
         else:
             max_q_len = batch.max_q_len
             if self.compiled:
-                for t in inputs:        # every step-varying size symbolic (or specialized to 1)
-                    for dim in range(t.dim()):
-                        torch._dynamo.maybe_mark_dynamic(t, dim)
                 # An int argument of an op specializes the graph on its value; max_q_len is only
                 # an upper bound on each sequence's query rows, so three values cover all steps:
                 # decodes, verifications (k + 1 <= 17 rows) and prefill chunks.
                 max_q_len = 1 if max_q_len == 1 else 17 if max_q_len <= 17 else model.max_position
-            hidden = self._forward(*inputs, max_q_len, attn_mass)
+            hidden = self._run_layers(self._layer, *inputs, max_q_len, attn_mass)
         if calibrate:
             block_size = kv.key_caches[0].shape[1]
             slots = batch.slot_mapping[batch.slot_mapping >= 0]      # -1: a padding row
@@ -181,25 +183,48 @@ class ModelRunner:
             hidden = hidden[batch.logits_indices.to(dev)]
         return model.compute_logits(hidden)
 
-    def _eager_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+    def _run_layers(self, layer_fn: Callable[..., torch.Tensor], input_ids: torch.Tensor,
+                    positions: torch.Tensor, slot_mapping: torch.Tensor,
+                    block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, plan: torch.Tensor, workspace: torch.Tensor,
+                    max_q_len: int, attn_mass: Optional[torch.Tensor],
+                    on_kv: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None
+                    ) -> torch.Tensor:
+        """The model's forward over the paged cache, from the step's tensors (the caches and
+        scales are the runner's), each layer through ``layer_fn`` (:meth:`_layer_forward` or
+        its compiled graph). ``on_kv(layer, k, v)`` sees each layer's new K/V before they are
+        cached (calibration; eager only)."""
+        kv, model = self.kv_cache, self.model
+        h, position_state = model.embed_input(input_ids, positions)
+        step = (slot_mapping, block_tables, seq_lens, cu_seqlens_q, plan, workspace)
+        if layer_fn is not self._layer_forward:
+            for t in (h, *step, *position_state):   # step-varying sizes symbolic (or size 1)
+                for dim in range(t.dim()):
+                    torch._dynamo.maybe_mark_dynamic(t, dim)
+        fp8 = kv.is_fp8
+        for layer, weights in enumerate(model.layers):
+            h = layer_fn(weights, h, position_state, kv.key_caches[layer],
+                         kv.value_caches[layer], kv.k_scales[layer] if fp8 else None,
+                         kv.v_scales[layer] if fp8 else None, *step, max_q_len, attn_mass,
+                         None if on_kv is None else functools.partial(on_kv, layer))
+        return model.final_norm(h)
+
+    def _layer_forward(self, weights, h: torch.Tensor, position_state,
+                       key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       k_scale: Optional[torch.Tensor], v_scale: Optional[torch.Tensor],
                        slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, plan: torch.Tensor,
                        workspace: torch.Tensor, max_q_len: int,
                        attn_mass: Optional[torch.Tensor],
-                       on_kv: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None
+                       on_kv: Optional[Callable[[torch.Tensor, torch.Tensor], None]] = None
                        ) -> torch.Tensor:
-        """The model's forward over the paged cache: a function of the step's tensors only (the
-        caches and scales are the runner's), so ``torch.compile`` can take it whole.
-        ``on_kv(layer, k, v)`` sees each layer's new K/V before they are cached (calibration)."""
-        kv, model = self.kv_cache, self.model
-        fp8 = kv.is_fp8
+        """One decoder layer over the paged cache: everything it reads is an argument (no layer
+        index), so one compiled graph serves every layer."""
+        model = self.model
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            key_cache, value_cache = kv.key_caches[layer], kv.value_caches[layer]
-            k_scale = kv.k_scales[layer] if fp8 else None
-            v_scale = kv.v_scales[layer] if fp8 else None
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if on_kv is not None:
-                on_kv(layer, k, v)
+                on_kv(k, v)
             ops.reshape_and_cache(k, v, key_cache, value_cache, slot_mapping, k_scale, v_scale)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
             ops.paged_attention_run(out, q, key_cache, value_cache, block_tables, seq_lens,
@@ -207,7 +232,7 @@ class ModelRunner:
                                     k_scale, v_scale, attn_mass=attn_mass)
             return out
 
-        return model.forward(input_ids, positions, attend)
+        return model.decoder_layer(weights, h, position_state, attend)
 
 
 def _requantize(cache: torch.Tensor, blocks: torch.Tensor, ratio: torch.Tensor) -> None:

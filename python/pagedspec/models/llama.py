@@ -276,22 +276,41 @@ class LlamaForCausalLM:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
+    def embed_input(self, input_ids: torch.Tensor, positions: torch.Tensor
+                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The hidden states ``[T, hidden]`` that enter layer 0, and the rotary tables ``(cos,
+        sin)``, each ``[T, 1, head_size]``, that every layer applies."""
+        cos, sin = self._cos[positions][:, None, :], self._sin[positions][:, None, :]
+        return self.embed[input_ids], (cos, sin)
+
+    def decoder_layer(self, w: _Layer, h: torch.Tensor,
+                      rope: tuple[torch.Tensor, torch.Tensor],
+                      attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+                      ) -> torch.Tensor:
+        """One decoder layer with weights ``w`` (an element of :attr:`layers`) on ``h``
+        ``[T, hidden]``; ``attend(q, k, v)`` is the layer's attention. A function of its
+        arguments only, so one compiled graph serves every layer."""
+        T, Hq, Hkv, D = h.shape[0], self.num_heads, self.num_kv_heads, self.head_size
+        cos, sin = rope
+        x = self._rms_norm(h, w.input_norm)
+        qkv = linear(x, w.qkv, w.qkv_bias)
+        qk = self._rope(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin)
+        v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+        out = attend(qk[:, :Hq], qk[:, Hq:], v)
+        h = h + linear(out.reshape(T, Hq * D), w.o, w.o_bias)
+        x = self._rms_norm(h, w.post_norm)
+        gate, up = linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, w.down, w.down_bias)
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self._rms_norm(h, self.norm)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attend: AttendFn) -> torch.Tensor:
-        T, Hq, Hkv, D = input_ids.numel(), self.num_heads, self.num_kv_heads, self.head_size
-        cos, sin = self._cos[positions][:, None, :], self._sin[positions][:, None, :]
-        h = self.embed[input_ids]
+        h, rope = self.embed_input(input_ids, positions)
         for i, w in enumerate(self.layers):
-            x = self._rms_norm(h, w.input_norm)
-            qkv = linear(x, w.qkv, w.qkv_bias)
-            qk = self._rope(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), cos, sin)
-            v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
-            out = attend(i, qk[:, :Hq], qk[:, Hq:], v)
-            h = h + linear(out.reshape(T, Hq * D), w.o, w.o_bias)
-            x = self._rms_norm(h, w.post_norm)
-            gate, up = linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, w.down, w.down_bias)
-        return self._rms_norm(h, self.norm)
+            h = self.decoder_layer(w, h, rope, lambda q, k, v, i=i: attend(i, q, k, v))
+        return self.final_norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head).float()
