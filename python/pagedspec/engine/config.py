@@ -84,6 +84,9 @@ class EngineConfig:
     compile: bool = _setting(False, "run the model's (and the draft's) forward through "
                              "torch.compile: the first step of each kind compiles, later ones "
                              "fuse the elementwise work around the GEMMs")
+    cuda_graphs: bool = _setting(True, "on a CUDA device, replay steps of at most 16 query "
+                                 "rows per sequence (decodes, verifications) from CUDA graphs "
+                                 "captured per batch-size bucket; prefill chunks stay eager")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, *, model_default: Optional[str] = None

@@ -19,6 +19,7 @@ from pagedspec._build_info import build_info
 from pagedspec.engine.block_manager import BlockManager
 from pagedspec.engine.config import EngineConfig
 from pagedspec.engine.controller import SpeculationController
+from pagedspec.engine.cuda_graphs import MAX_GRAPH_ROWS
 from pagedspec.engine.kv_cache import KVCache
 from pagedspec.engine.kv_eviction import KVBudgets, KVEvictionPolicy
 from pagedspec.engine.metrics import FinishedRequestStats, StepStats
@@ -202,6 +203,13 @@ class EngineCore:
                     self.draft_model, draft_cache, calibrate_fp8=draft_cache.is_fp8
                     and scales is None, compile=config.compile,
                     vocab=draft_ckpt.draft_vocab()))
+        if config.cuda_graphs and self.device.type == "cuda":
+            # Tables as wide as the longest sequence, plus a verification's draft rows.
+            width = -(-(max_model_len + MAX_GRAPH_ROWS) // block_size)
+            runners = [self.runner] + ([self.speculator.draft_model.runner]
+                                       if self.draft_model is not None else [])
+            for runner in runners:
+                runner.enable_graphs(max_num_seqs, width)
         self.kv_budgets = KVBudgets(seed=config.seed)
         self.requests: dict[str, CoreRequest] = {}
         self._by_seq: dict[int, tuple[CoreRequest, int]] = {}   # seq id -> (request, index)

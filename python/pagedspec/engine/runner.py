@@ -25,9 +25,11 @@ from __future__ import annotations
 import functools
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from pagedspec import ops
+from pagedspec.engine.cuda_graphs import StepGraphs
 from pagedspec.engine.kv_cache import KVCache
 from pagedspec.engine.model import CausalLM
 from pagedspec.engine.scheduler import StepBatch
@@ -80,6 +82,7 @@ class ModelRunner:
         self._written: set[int] = set()
         self._written_cpu: set[int] = set()
         self.num_steps = 0             # forward passes run (the target model's step count)
+        self.graphs: Optional[StepGraphs] = None     # see enable_graphs
         self.compiled = bool(compile)
         self.prepacked = not compile and model.prepack_weights()
         self._layer = self._layer_forward
@@ -91,6 +94,15 @@ class ModelRunner:
             # dynamic=None: sizes start static and only the dimensions marked below (or seen to
             # vary) become symbolic; fullgraph: a break would silently leave the ops eager.
             self._layer = torch.compile(self._layer_forward, dynamic=None, fullgraph=True)
+
+    def enable_graphs(self, max_num_seqs: int, max_blocks_per_seq: int,
+                      capture: bool = True) -> None:
+        """From now on, steps of at most ``max_num_seqs`` sequences with at most 16 query rows
+        each run padded over persistent buffers, replayed from CUDA graphs
+        (:class:`pagedspec.engine.cuda_graphs.StepGraphs`; ``capture=False``: padded but eager,
+        for tests on any device). Prefill chunks, FP8 calibration and H2O steps stay as they
+        are."""
+        self.graphs = StepGraphs(self, max_num_seqs, max_blocks_per_seq, capture=capture)
 
     def _track_moves(self, moves) -> None:
         """Blocks that calibration-era K/V reached through this step's swaps and copies."""
@@ -141,6 +153,11 @@ class ModelRunner:
         self.num_steps += 1
         if batch.num_tokens == 0:
             return torch.empty((0, model.vocab_size), device=dev)
+        graphs = self.graphs
+        if (graphs is not None and not self.calibrate_fp8 and attn_mass is None
+                and graphs.fits(batch)):
+            wanted = np.arange(batch.num_tokens) if all_rows else batch.logits_indices.numpy()
+            return model.compute_logits(graphs.run(batch, wanted))
         slot_mapping = batch.slot_mapping.to(dev)
         block_tables, seq_lens = batch.block_tables.to(dev), batch.seq_lens.to(dev)
         cu_seqlens_q = batch.cu_seqlens_q.to(dev)
