@@ -286,10 +286,10 @@ def test_logits_on_cuda_as_close_as_transformers(checkpoint_dirs, gen, name):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 def test_prepacked_weights_compute_the_same_logits(checkpoint_dirs, gen):
-    """Eager float32 CPU runners put the projections and LM head in oneDNN's layout: the
-    logits move by float32 rounding only (a wrong layout or transposition moves them by O(1)),
-    the half-precision and compiled paths keep plain weights, and a vocabulary is restricted
-    before packing or not at all."""
+    """Eager float32 CPU runners (and bfloat16 ones where oneDNN computes bfloat16) put the
+    projections and LM head in oneDNN's layout: the logits move by float32 rounding only (a
+    wrong layout or transposition moves them by O(1)), float16 and the compiled paths keep plain
+    weights, and a vocabulary is restricted before packing or not at all."""
     from checkpoints import dense_forward
 
     path = checkpoint_dirs["llama-gqa4"]
@@ -304,4 +304,12 @@ def test_prepacked_weights_compute_the_same_logits(checkpoint_dirs, gen):
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5 * scale)
     with pytest.raises(RuntimeError, match="before prepack_weights"):
         model.restrict_vocab(torch.arange(10))
-    assert not load_checkpoint(path).load_model(torch.bfloat16).prepack_weights()
+    assert not load_checkpoint(path).load_model(torch.float16).prepack_weights()
+    bf16 = load_checkpoint(path).load_model(torch.bfloat16)
+    with torch.no_grad():
+        plain = bf16.compute_logits(dense_forward(bf16, tokens))
+        packed_bf16 = bf16.prepack_weights()
+        assert packed_bf16 == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        packed = bf16.compute_logits(dense_forward(bf16, tokens))
+    # bfloat16 outputs of each projection: two roundings of 2^-8 apart at most per layer.
+    torch.testing.assert_close(packed, plain, rtol=0.05, atol=0.05 * plain.abs().max().item())

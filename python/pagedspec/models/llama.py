@@ -327,12 +327,15 @@ class LlamaForCausalLM:
 
     def prepack_weights(self) -> bool:
         """Re-lays the projection and LM head matrices out for oneDNN's CPU GEMM, where that is
-        faster (float32 on a CPU with oneDNN); returns whether it did. For eager CPU steps only
-        (``torch.compile`` wants plain weights): small-M products, a verification's 2-9 rows
-        per sequence above all, then cost far less than ``F.linear``'s, whose BLAS re-packs the
-        whole matrix on every call (measured in PERFORMANCE.md). The results differ from
-        ``F.linear``'s by float32 rounding only."""
-        if (self.device.type != "cpu" or self.dtype != torch.float32
+        faster (float32 on a CPU with oneDNN; bfloat16 where oneDNN computes it, AVX-512 and
+        up); returns whether it did. For eager CPU steps only (``torch.compile`` wants plain
+        weights): small-M products, a verification's 2-9 rows per sequence above all, then
+        cost far less than ``F.linear``'s, which re-packs the whole matrix on every call
+        (measured in PERFORMANCE.md). The results differ from ``F.linear``'s by the rounding
+        of the float32 accumulation only."""
+        supported = self.dtype == torch.float32 or (
+            self.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if (self.device.type != "cpu" or not supported
                 or not torch.backends.mkldnn.is_available() or self.lm_head.is_mkldnn):
             return False
         pack = _prepacked
