@@ -794,12 +794,16 @@ def card_training(report: dict) -> str:
     t, trial, s, m = (report["training"], report["init_trial"], report["settings"],
                       report["machine"])
     phases = ", ".join(f"{k} {sec / 60:.1f}" for k, sec in report["phase_seconds"].items())
+    if "random" in trial:
+        why = (f"held-out loss after {trial['steps']} trial steps from each: random "
+               f"{trial['random']:.4f}, the target's layers 0-1 {trial['copy']:.4f}")
+    else:
+        why = "given by `--init`, without a trial"
     return f"""## Training
 
 Next-token cross-entropy over the draft vocabulary on the continuation tokens (the prompt is
-context only) and on every plain-text token. Initialization: **{t['init']}** (held-out loss after
-{trial['steps']} trial steps from each: random {trial['random']:.4f}, the target's layers 0-1
-{trial['copy']:.4f}); the final norm starts as the target's. AdamW (peak learning rate {t['lr']},
+context only) and on every plain-text token. Initialization: **{t['init']}** ({why}); the final
+norm starts as the target's. AdamW (peak learning rate {t['lr']},
 {t['warmup_steps']} warmup steps, cosine to 10%), gradient clipping 1.0, float32, sequences of at
 most {s['seq_len']} tokens, {s['tokens_per_step']} padded tokens per step: {t['steps']} steps,
 {t['trained_tokens']:,} trained tokens in {t['seconds'] / 60:.1f} minutes. Final training loss
@@ -895,7 +899,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="tiny run (seconds); flags still win")
-    p.add_argument("--gen-minutes", type=float, default=14.0, help="generation budget")
+    p.add_argument("--gen-minutes", type=float, default=35.0, help="generation budget")
     p.add_argument("--train-minutes", type=float, default=30.0, help="training budget")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--gen-chunk", type=int, default=32,
