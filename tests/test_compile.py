@@ -47,6 +47,7 @@ def test_compiled_equals_eager(pair, case):
     torch._dynamo.reset()
     llm = LLM(target, compile=True, **kwargs)
     assert llm.runner.compiled
+    assert llm.runner.prepacked == torch.backends.mkldnn.is_available()  # packed, compiled
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     if case == "preempt":

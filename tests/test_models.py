@@ -288,8 +288,9 @@ def test_logits_on_cuda_as_close_as_transformers(checkpoint_dirs, gen, name):
 def test_prepacked_weights_compute_the_same_logits(checkpoint_dirs, gen):
     """Eager float32 CPU runners (and bfloat16 ones where oneDNN computes bfloat16) put the
     projections and LM head in oneDNN's layout: the logits move by float32 rounding only (a
-    wrong layout or transposition moves them by O(1)), float16 and the compiled paths keep plain
-    weights, and a vocabulary is restricted before packing or not at all."""
+    wrong layout or transposition moves them by O(1)), float16 keeps plain weights, and a
+    vocabulary is restricted before packing or not at all (the compiled forward on packed
+    weights: tests/test_compile.py)."""
     from checkpoints import dense_forward
 
     path = checkpoint_dirs["llama-gqa4"]

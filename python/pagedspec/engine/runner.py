@@ -99,7 +99,7 @@ class ModelRunner:
         self.num_steps = 0             # forward passes run (the target model's step count)
         self.graphs: Optional[StepGraphs] = None     # see enable_graphs
         self.compiled = bool(compile)
-        self.prepacked = not compile and model.prepack_weights()
+        self.prepacked = model.prepack_weights()
         self._layer = self._layers_forward
         self.layers_per_call = model.num_layers      # eager: the whole stack in one call
         if compile:

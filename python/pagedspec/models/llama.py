@@ -132,8 +132,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
            ) -> torch.Tensor:
     """``F.linear``, or oneDNN's product for a weight :func:`_prepacked` for it."""
     if weight.is_mkldnn:
+        if torch.compiler.is_compiling():
+            return _prepacked_linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+@torch.library.custom_op("pagedspec_models::prepacked_linear", mutates_args=())
+def _prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
+                      ) -> torch.Tensor:
+    """oneDNN's product on a prepacked weight, opaque to ``torch.compile``: inductor lowers
+    oneDNN's own op only for weights that are graph constants, and here they are arguments of
+    the graph every group of layers shares. Eager calls skip this wrapper (its dispatch costs)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@_prepacked_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 # oneDNN's layout hint (rows per product). Any row count runs on the layout; a hint of 1 picks
@@ -328,10 +344,10 @@ class LlamaForCausalLM:
     def prepack_weights(self) -> bool:
         """Re-lays the projection and LM head matrices out for oneDNN's CPU GEMM, where that is
         faster (float32 on a CPU with oneDNN; bfloat16 where oneDNN computes it, AVX-512 and
-        up); returns whether it did. For eager CPU steps only (``torch.compile`` wants plain
-        weights): small-M products, a verification's 2-9 rows per sequence above all, then
-        cost far less than ``F.linear``'s, which re-packs the whole matrix on every call
-        (measured in PERFORMANCE.md). The results differ from ``F.linear``'s by the rounding
+        up); returns whether it did. Small-M products, a verification's 2-9 rows per sequence
+        above all, then cost far less than ``F.linear``'s, which re-packs the whole matrix on
+        every call (measured in PERFORMANCE.md); a compiled forward calls them through an
+        opaque op. The results differ from ``F.linear``'s by the rounding
         of the float32 accumulation only."""
         supported = self.dtype == torch.float32 or (
             self.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
