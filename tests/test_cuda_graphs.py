@@ -129,6 +129,28 @@ def test_steps_that_do_not_fit_stay_unpadded(pair):
     assert not runner.calibrate_fp8 and graphs.num_runs > 0
 
 
+def test_a_failed_capture_falls_back_to_uncaptured_steps(pair, monkeypatch):
+    """A capture the device refuses warns once and leaves the padded steps running uncaptured,
+    with the same tokens."""
+    target, _ = pair
+    kwargs = dict(dtype="float32", device="cpu", max_model_len=128, max_num_seqs=4)
+    prompts = _prompts(7, 3)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    expected = LLM(target, **kwargs).generate(prompts, params, use_tqdm=False)
+    llm = LLM(target, **kwargs)
+    graphs = _padded(llm)[0]
+    graphs.capture = True                  # as on a GPU, whose capture then fails
+
+    def refuse(b, q):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_capture", refuse)
+    with pytest.warns(RuntimeWarning, match="steps run uncaptured"):
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert not graphs.capture and not graphs.graphs and graphs.num_runs > 1
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+
+
 def test_capture_needs_a_cuda_device(pair):
     llm = LLM(pair[0], dtype="float32", device="cpu", max_model_len=64)
     with pytest.raises(ValueError, match="capture=True needs a CUDA device"):
