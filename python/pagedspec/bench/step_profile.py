@@ -199,6 +199,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--modes", default="plain,spec")
     ap.add_argument("--quick", action="store_true",
                     help="demo pair; defaults batch 1,4, 4 steps, 32-token prompts")
+    ap.add_argument("--compile", action="store_true",
+                    help="the compiled forward (warmed up before anything is timed)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
@@ -220,12 +222,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         spec = dict(speculative_model=draft, num_speculative_tokens=args.k,
                     speculative_adaptive=False) if mode == "spec" else {}
         llm = LLM(model, dtype=args.dtype, device="cpu", max_num_seqs=max(batches),
-                  max_model_len=args.prompt_len + 4 * args.steps * (args.k + 1) + 64, **spec)
+                  max_model_len=args.prompt_len + 4 * args.steps * (args.k + 1) + 64,
+                  compile=args.compile, **spec)
+        llm.engine.warm_up()           # compiled: every kind of step, before any timing
         for batch in batches:
             prompts = grounded_prompts(llm.tokenizer, llm.engine.vocab_size, batch,
                                        args.prompt_len)
-            row = {"model": model, "mode": mode if mode == "plain" else f"{mode} ({draft}, "
-                   f"k={args.k})", "batch": batch, **profile_case(llm, prompts, args.steps)}
+            name = mode if mode == "plain" else f"{mode} ({draft}, k={args.k})"
+            row = {"model": model, "mode": name + (", compiled" if args.compile else ""),
+                   "batch": batch, **profile_case(llm, prompts, args.steps)}
             rows.append(row)
             print(f"{model} {row['mode']} batch {batch}: {row['step_ms']:.2f} ms/step, "
                   f"outside GEMM+attention {row['outside_share']:.0%}", flush=True)
