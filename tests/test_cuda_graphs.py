@@ -41,13 +41,10 @@ def test_seq_buckets_cover_every_batch_size():
 def _padded(llm: LLM, capture: bool = False) -> list[StepGraphs]:
     """Turns on the padded steps of the engine's runners; returns their StepGraphs."""
     core = llm.engine.core
-    width = -(-(core.max_model_len + 16) // core.block_manager.block_size)
-    runners = [core.runner]
-    if core.draft_model is not None:
-        runners.append(core.speculator.draft_model.runner)
-    for runner in runners:
-        runner.enable_graphs(core.scheduler.config.max_num_seqs, width, capture=capture)
-    return [r.graphs for r in runners]
+    for runner in core.runners:
+        runner.enable_graphs(core.scheduler.config.max_num_seqs, core.max_model_len,
+                             capture=capture)
+    return [r.graphs for r in core.runners]
 
 
 def _prompts(seed: int, n: int) -> list[list[int]]:
@@ -154,9 +151,9 @@ def test_a_failed_capture_falls_back_to_uncaptured_steps(pair, monkeypatch):
 def test_capture_needs_a_cuda_device(pair):
     llm = LLM(pair[0], dtype="float32", device="cpu", max_model_len=64)
     with pytest.raises(ValueError, match="capture=True needs a CUDA device"):
-        StepGraphs(llm.engine.core.runner, 4, 8, capture=True)
+        StepGraphs(llm.engine.core.runner, 4, 64, capture=True)
     with pytest.raises(ValueError, match="max_num_seqs"):
-        StepGraphs(llm.engine.core.runner, 0, 8, capture=False)
+        StepGraphs(llm.engine.core.runner, 0, 64, capture=False)
 
 
 @pytest.mark.cuda

@@ -19,7 +19,6 @@ from pagedspec._build_info import build_info
 from pagedspec.engine.block_manager import BlockManager
 from pagedspec.engine.config import EngineConfig
 from pagedspec.engine.controller import SpeculationController
-from pagedspec.engine.cuda_graphs import MAX_GRAPH_ROWS
 from pagedspec.engine.kv_cache import KVCache
 from pagedspec.engine.kv_eviction import KVBudgets, KVEvictionPolicy
 from pagedspec.engine.metrics import FinishedRequestStats, StepStats
@@ -204,18 +203,21 @@ class EngineCore:
                     and scales is None, compile=config.compile,
                     vocab=draft_ckpt.draft_vocab()))
         if config.cuda_graphs and self.device.type == "cuda":
-            # Tables as wide as the longest sequence, plus a verification's draft rows.
-            width = -(-(max_model_len + MAX_GRAPH_ROWS) // block_size)
-            runners = [self.runner] + ([self.speculator.draft_model.runner]
-                                       if self.draft_model is not None else [])
-            for runner in runners:
-                runner.enable_graphs(max_num_seqs, width)
+            for runner in self.runners:
+                runner.enable_graphs(max_num_seqs, max_model_len)
         self.kv_budgets = KVBudgets(seed=config.seed)
         self.requests: dict[str, CoreRequest] = {}
         self._by_seq: dict[int, tuple[CoreRequest, int]] = {}   # seq id -> (request, index)
         self._finished_stats: list[FinishedRequestStats] = []     # aborts between steps
         self.last_stats = StepStats()
         self.clock = _NoClock()       # a PhaseClock splits steps into phases (step profile)
+
+    @property
+    def runners(self) -> list[ModelRunner]:
+        """The target's runner, then the draft model's when one drafts."""
+        spec = self.speculator
+        draft = spec.draft_model if spec is not None else None
+        return [self.runner] + ([draft.runner] if draft is not None else [])
 
     # ---- construction helpers -------------------------------------------------------------
     def new_controller(self, adaptive: Optional[bool] = None) -> SpeculationController:

@@ -63,14 +63,14 @@ class StepGraphs:
     """Padded, graph-replayed forwards of ``runner`` for steps of at most ``max_num_seqs``
     sequences with at most ``MAX_GRAPH_ROWS`` query rows each (see the module docstring).
 
-    ``max_blocks_per_seq``: the block tables' full width (the pool's longest table).
+    ``max_model_len``: a sequence's longest length, which sets the block tables' width.
     ``capture``: capture and replay CUDA graphs (CUDA only); False runs the padded step eagerly.
     """
 
-    def __init__(self, runner, max_num_seqs: int, max_blocks_per_seq: int, capture: bool = True):
-        if max_num_seqs < 1 or max_blocks_per_seq < 1:
-            raise ValueError(f"StepGraphs: max_num_seqs and max_blocks_per_seq must be >= 1, "
-                             f"got {max_num_seqs} and {max_blocks_per_seq}")
+    def __init__(self, runner, max_num_seqs: int, max_model_len: int, capture: bool = True):
+        if max_num_seqs < 1 or max_model_len < 1:
+            raise ValueError(f"StepGraphs: max_num_seqs and max_model_len must be >= 1, "
+                             f"got {max_num_seqs} and {max_model_len}")
         dev = runner.device
         if capture and dev.type != "cuda":
             raise ValueError(f"StepGraphs: capture=True needs a CUDA device, the runner is on "
@@ -78,8 +78,10 @@ class StepGraphs:
         self.runner, self.capture = runner, capture
         model = runner.model
         self.sizes = seq_buckets(max_num_seqs)
-        self.width = max_blocks_per_seq
-        B, Q, M = self.sizes[-1], ROW_BUCKETS[-1], max_blocks_per_seq
+        self.block_size = runner.kv_cache.key_caches[0].shape[1]
+        # As wide as the longest sequence plus a verification's draft rows.
+        self.width = -(-(max_model_len + MAX_GRAPH_ROWS) // self.block_size)
+        B, Q, M = self.sizes[-1], ROW_BUCKETS[-1], self.width
         self.rows_per_item = ROWS_PER_ITEM[dev.type]
         self.group = model.num_heads // model.num_kv_heads
         plan_len = max(self._plan_len(b, q) for b in self.sizes for q in ROW_BUCKETS)
@@ -92,10 +94,9 @@ class StepGraphs:
         pin = dev.type == "cuda"
         self._host_i64 = torch.zeros(self.i64.shape, dtype=torch.int64, pin_memory=pin)
         self._host_i32 = torch.zeros(self.i32.shape, dtype=torch.int32, pin_memory=pin)
-        rows = max(min(q * self._capacity(b, q), MAX_PARTIAL_ROWS)
-                   for b in self.sizes for q in ROW_BUCKETS)
-        self.workspace = torch.empty(rows * model.num_heads * (model.head_size + 2),
-                                     dtype=torch.float32, device=dev)
+        self.workspace = torch.empty(
+            max(self._workspace_len(b, q) for b in self.sizes for q in ROW_BUCKETS),
+            dtype=torch.float32, device=dev)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         self.num_runs = 0      # padded steps run (replayed or eager)
@@ -108,6 +109,14 @@ class StepGraphs:
     def _plan_len(self, b: int, q: int) -> int:
         return 8 + 2 * b + 3 * self._capacity(b, q)
 
+    def _partial_rows(self, b: int, q: int) -> int:
+        """Partial-result rows a bucket's plan may use (each item splits at most its rows)."""
+        return min(q * self._capacity(b, q), MAX_PARTIAL_ROWS)
+
+    def _workspace_len(self, b: int, q: int) -> int:
+        model = self.runner.model
+        return self._partial_rows(b, q) * model.num_heads * (model.head_size + 2)
+
     def _views(self, b: int, q: int):
         """The step tensors of bucket ``(b, q)``: views of the flat device buffers."""
         o64, o32, M, T = self._i64_offsets, self._i32_offsets, self.width, b * q
@@ -116,9 +125,7 @@ class StepGraphs:
         seq_lens = self.i32[o32[1]:o32[1] + b]
         cu = self.i32[o32[2]:o32[2] + b + 1]
         plan = self.i32[o32[3]:o32[3] + self._plan_len(b, q)]
-        rows = min(q * self._capacity(b, q), MAX_PARTIAL_ROWS)
-        workspace = self.workspace[:rows * self.runner.model.num_heads
-                                   * (self.runner.model.head_size + 2)]
+        workspace = self.workspace[:self._workspace_len(b, q)]
         return ids, pos, slots, tables, seq_lens, cu, plan, workspace
 
     def fits(self, batch) -> bool:
@@ -143,24 +150,23 @@ class StepGraphs:
         pos[padded_row] = batch.positions.numpy()
         slots[padded_row] = batch.slot_mapping.numpy()
         gather[:wanted.size] = padded_row[wanted]
-        lens = np.full(b, q, np.int64)
+        lens = np.full(b, q, np.int32)
         lens[:n] = batch.seq_lens.numpy() + (q - q_lens)
+        cu_padded = np.arange(b + 1, dtype=np.int32) * q
         tables = h32[o32[0]:o32[0] + b * M].reshape(b, M)
         tables[:] = 0
         width = batch.block_tables.shape[1]
         real = batch.block_tables.numpy()
         # Past a sequence's own blocks (where its padding rows may read) block 0, a valid one.
-        block_size = self.runner.kv_cache.key_caches[0].shape[1]
-        used = -(-batch.seq_lens.numpy().astype(np.int64) // block_size)
+        used = -(-batch.seq_lens.numpy().astype(np.int64) // self.block_size)
         tables[:n, :width] = np.where(np.arange(width)[None, :] < used[:, None], real, 0)
         h32[o32[1]:o32[1] + b] = lens
-        h32[o32[2]:o32[2] + b + 1] = np.arange(b + 1) * q
+        h32[o32[2]:o32[2] + b + 1] = cu_padded
         model = self.runner.model
         host_plan = ops.paged_attention_plan(
-            torch.from_numpy(h32[o32[1]:o32[1] + b].copy()),
-            torch.from_numpy(h32[o32[2]:o32[2] + b + 1].copy()), model.num_heads,
+            torch.from_numpy(lens), torch.from_numpy(cu_padded), model.num_heads,
             model.num_kv_heads, self.runner.device, max_items=self._capacity(b, q),
-            max_partial_rows=min(q * self._capacity(b, q), MAX_PARTIAL_ROWS))
+            max_partial_rows=self._partial_rows(b, q))
         h32[o32[3]:o32[3] + host_plan.numel()] = host_plan.numpy()
         if self.i64.data_ptr() != self._host_i64.data_ptr():
             # Pinned and non-blocking: the step's only synchronization stays the sampled

@@ -165,9 +165,8 @@ class Engine:
         steps run eagerly anyway). Returns the seconds it took."""
         core = self.core
         spec = core.speculator
-        runners = [core.runner] + ([spec.draft_model.runner] if spec and spec.draft_model else [])
         if not self.config.compile or self.has_unfinished() or any(
-                r.calibrate_fp8 for r in runners):
+                r.calibrate_fp8 for r in core.runners):
             return 0.0
         start = time.perf_counter()
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

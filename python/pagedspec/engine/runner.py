@@ -115,14 +115,15 @@ class ModelRunner:
             self._layer = torch.compile(self._layers_forward, dynamic=None, fullgraph=True)
             self.layers_per_call = layers_per_graph(model.num_layers)
 
-    def enable_graphs(self, max_num_seqs: int, max_blocks_per_seq: int,
+    def enable_graphs(self, max_num_seqs: int, max_model_len: int,
                       capture: bool = True) -> None:
-        """From now on, steps of at most ``max_num_seqs`` sequences with at most 16 query rows
-        each run padded over persistent buffers, replayed from CUDA graphs
+        """From now on, steps of at most ``max_num_seqs`` sequences of at most
+        ``max_model_len`` tokens with at most 16 query rows each run padded over persistent
+        buffers, replayed from CUDA graphs
         (:class:`pagedspec.engine.cuda_graphs.StepGraphs`; ``capture=False``: padded but eager,
         for tests on any device). Prefill chunks, FP8 calibration and H2O steps stay as they
         are."""
-        self.graphs = StepGraphs(self, max_num_seqs, max_blocks_per_seq, capture=capture)
+        self.graphs = StepGraphs(self, max_num_seqs, max_model_len, capture=capture)
 
     def _track_moves(self, moves) -> None:
         """Blocks that calibration-era K/V reached through this step's swaps and copies."""
