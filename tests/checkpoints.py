@@ -124,3 +124,32 @@ def dense_forward(model, token_ids: list[int], record: Optional[list] = None) ->
 
     with torch.no_grad():
         return model.forward(torch.tensor(token_ids), torch.arange(len(token_ids)), attend)
+
+
+def eagle_copy(target: Path, dst: Path, seed: int = 0, feature_weight: float = 0.02) -> Path:
+    """An EAGLE draft head (``pagedspec_eagle``) for ``target``: the target's first layer and
+    final norm behind ``fc = [I | feature_weight * R]`` (R standard normal), the embedding
+    borrowed. Row ``i`` then mostly runs the target's first layer on token ``i + 1``: it agrees
+    with the target about as often as the first layer alone does, and the feature still counts."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((target / "config.json").read_text())
+    H = config["hidden_size"]
+    config.update(num_hidden_layers=1, pagedspec_eagle={"fc": "fc.weight"},
+                  pagedspec_borrowed_weights=["model.embed_tokens.weight"])
+    config.pop("layer_types", None)
+    dst.mkdir(parents=True)
+    (dst / "config.json").write_text(json.dumps(config))
+    for f in target.iterdir():
+        if f.name not in ("config.json", "model.safetensors") and f.is_file():
+            shutil.copy(f, dst / f.name)
+    tensors = load_file(target / "model.safetensors")
+    kept = {n: t for n, t in tensors.items()
+            if n.startswith("model.layers.0.") or n in ("model.norm.weight", "lm_head.weight")}
+    g = torch.Generator().manual_seed(seed)
+    fc = torch.cat([torch.eye(H), feature_weight * torch.randn(H, H, generator=g)], dim=1)
+    kept["fc.weight"] = fc.to(tensors["model.norm.weight"].dtype)
+    save_file(kept, dst / "model.safetensors")
+    return dst

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from scipy import stats
 
-from checkpoints import dense_forward, hf_model, make_checkpoint
+from checkpoints import dense_forward, eagle_copy, hf_model, make_checkpoint
 from pagedspec import LLM, SamplingParams
 from pagedspec.engine import NgramProposer, SpeculationController
 from pagedspec.engine.sequence import SequenceStatus
@@ -47,7 +47,9 @@ def models(tmp_path_factory):
     # Half the vocabulary, at random: drafts the target would accept are often out of reach.
     subset = random.Random(5).sample(range(320), 160)
     reduced = reduced_copy(aligned, root / "reduced", subset)
-    return {"target": target, "aligned": aligned, "misaligned": misaligned, "reduced": reduced}
+    eagle = eagle_copy(target, root / "eagle")
+    return {"target": target, "aligned": aligned, "misaligned": misaligned, "reduced": reduced,
+            "eagle": eagle}
 
 
 def first_layer_copy(src, dst):
@@ -150,7 +152,7 @@ def test_ngram_proposer_incremental_index_equals_brute_force():
 # ---- greedy speculation == greedy ---------------------------------------------------------
 @pytest.mark.parametrize("k", range(1, 9))
 def test_greedy_equal_for_every_k(models, plain, k):
-    for spec in ("ngram", "aligned", "reduced"):
+    for spec in ("ngram", "aligned", "reduced", "eagle"):
         llm = make_llm(models, spec, num_speculative_tokens=k, speculative_adaptive=False)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=48, **GREEDY))
         for o, exp in zip(outs, plain):
@@ -160,7 +162,7 @@ def test_greedy_equal_for_every_k(models, plain, k):
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
 
 
-@pytest.mark.parametrize("spec", ["ngram", "aligned", "misaligned", "reduced"])
+@pytest.mark.parametrize("spec", ["ngram", "aligned", "misaligned", "reduced", "eagle"])
 def test_mixed_batches_prefix_cache_and_preemption(models, plain, spec):
     """Greedy and sampled requests, with different lengths, in one run with a pool that forces
     preemption (recompute, then swap); twice, so the second run hits the prefix cache."""
@@ -285,6 +287,20 @@ def test_sampled_speculation_keeps_the_target_distribution(small_vocab, monkeypa
     monkeypatch.setattr(llm_module, "verify_drafts", without_temperature)
     wc = three_token_counts(make(), prompt, temperature, n)
     assert chi_square_p(wc, exact) < 1e-6
+
+
+def test_eagle_head_keeps_the_target_distribution(small_vocab, tmp_path):
+    """As above with an EAGLE head drafting (features handed over from the target's passes,
+    forks inheriting their parent's): its drafts change acceptance, never the distribution."""
+    target, _ = small_vocab
+    prompt, temperature, n = [1, 4, 2, 7], 0.4, 6000
+    exact = exact_three_token_distribution(target, prompt, temperature)
+    llm = forking_llm(target, eagle_copy(target, tmp_path / "eagle"), n)
+    counts = three_token_counts(llm, prompt, temperature, n)
+    m = llm.speculative_metrics()
+    assert m["num_drafts"] == n and llm.scheduler.num_preemptions == 0
+    assert 0.2 < m["acceptance_rate"] < 0.95, m
+    assert chi_square_p(counts, exact) > 1e-4
 
 
 # ---- rollback: both caches hold exactly the live tokens' K/V ----------------------------------

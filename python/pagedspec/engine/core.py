@@ -27,8 +27,8 @@ from pagedspec.engine.runner import ModelRunner
 from pagedspec.engine.sampler import SamplingRow, sample, top_logprobs
 from pagedspec.engine.scheduler import Scheduler, SchedulerConfig, StepBatch
 from pagedspec.engine.sequence import Sequence, SequenceStatus
-from pagedspec.engine.speculative import DraftModelProposer, NgramProposer, Verification, \
-    verify_drafts
+from pagedspec.engine.speculative import (DraftModelProposer, EagleProposer, NgramProposer,
+                                          Verification, verify_drafts)
 from pagedspec.engine.speculator import Speculator
 from pagedspec.models.loader import DTYPES, Checkpoint, load_checkpoint
 
@@ -198,13 +198,18 @@ class EngineCore:
                 scales = draft_ckpt.kv_scales() if draft_cache.is_fp8 else None
                 if scales is not None:
                     draft_cache.set_scales(*scales)
-                self.speculator = Speculator(controller, draft_model=DraftModelProposer(
+                proposer = EagleProposer if dc.eagle else DraftModelProposer
+                self.speculator = Speculator(controller, draft_model=proposer(
                     self.draft_model, draft_cache, calibrate_fp8=draft_cache.is_fp8
                     and scales is None, compile=config.compile,
                     vocab=draft_ckpt.draft_vocab()))
+                # An EAGLE head reads the target's final hidden states of every step.
+                self.runner.keep_hidden = dc.eagle
         if config.cuda_graphs and self.device.type == "cuda":
             for runner in self.runners:
-                runner.enable_graphs(max_num_seqs, max_model_len)
+                # An EAGLE head's passes take features, which the graphs' buffers do not hold.
+                if not getattr(runner.model, "takes_features", False):
+                    runner.enable_graphs(max_num_seqs, max_model_len)
         self.kv_budgets = KVBudgets(seed=config.seed)
         self.requests: dict[str, CoreRequest] = {}
         self._by_seq: dict[int, tuple[CoreRequest, int]] = {}   # seq id -> (request, index)
@@ -243,6 +248,10 @@ class EngineCore:
             raise ValueError(f"EngineConfig.speculative_model: {draft.path} has a vocabulary of "
                              f"{draft_vocab} tokens, the target {target_vocab}; a draft must "
                              "share the target's tokenizer")
+        if draft.config.eagle and draft.config.hidden_size != self.checkpoint.config.hidden_size:
+            raise ValueError(f"EngineConfig.speculative_model: {draft.path} is an EAGLE head "
+                             f"over features of size {draft.config.hidden_size}, the target's "
+                             f"hidden size is {self.checkpoint.config.hidden_size}")
         if draft.config.max_position < self.max_model_len:
             raise ValueError(f"EngineConfig.speculative_model: {draft.path} covers "
                              f"{draft.config.max_position} positions, fewer than max_model_len "
@@ -436,12 +445,14 @@ class EngineCore:
         # Requests with n > 1 fork after their prompt: the children sample from the same row.
         seqs, scheduled, drafts = (list(batch.seqs), list(batch.num_scheduled_tokens),
                                    list(batch.num_draft_tokens))
+        forks: list[tuple[int, int]] = []               # (parent, child) seq ids
         for seq, r in list(plain):
             request, index = self._by_seq[seq.seq_id]
             if index == 0 and request.params.n > 1 and not seq.output_token_ids:
                 i = batch.seqs.index(seq)
                 for child_index in range(1, request.params.n):
                     child = self.scheduler.fork(seq)
+                    forks.append((seq.seq_id, child.seq_id))
                     self._attach(request, child_index, child)
                     plain.append((child, r))
                     seqs.append(child)
@@ -468,6 +479,10 @@ class EngineCore:
                 new_tokens[seq.seq_id] = out
                 token_rows[seq.seq_id] = list(range(first, first + len(out)))
                 spec.record(seq, len(item.drafts), len(out) - 1)
+        if spec is not None and spec.reads_target_hidden:
+            spec.observe_target_hidden(batch, self.runner.hidden, new_tokens)
+            for parent, child in forks:
+                spec.fork(parent, child)
         logprobs = self._logprobs(logits, new_tokens, token_rows)
         clock.mark("sample_verify")
 

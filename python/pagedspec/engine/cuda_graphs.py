@@ -177,8 +177,8 @@ class StepGraphs:
     def _forward(self, b: int, q: int) -> torch.Tensor:
         ids, pos, slots, tables, seq_lens, cu, plan, workspace = self._views(b, q)
         runner = self.runner
-        return runner._run_layers(runner._layer, ids, pos, slots, tables, seq_lens, cu, plan,
-                                  workspace, q if q == 1 else MAX_GRAPH_ROWS + 1, None)
+        return runner._run_layers(runner._layer, ids, pos, None, slots, tables, seq_lens, cu,
+                                  plan, workspace, q if q == 1 else MAX_GRAPH_ROWS + 1, None)
 
     def _capture(self, b: int, q: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Captures bucket ``(b, q)`` on inputs just filled: one warm-up run on a side stream

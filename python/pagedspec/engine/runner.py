@@ -101,6 +101,8 @@ class ModelRunner:
         self._written_cpu: set[int] = set()
         self.num_steps = 0             # forward passes run (the target model's step count)
         self.graphs: Optional[StepGraphs] = None     # see enable_graphs
+        self.keep_hidden = False       # keep the last step's hidden states (see execute)
+        self.hidden: Optional[torch.Tensor] = None
         self.compiled = bool(compile)
         self.prepacked = model.prepack_weights()
         self._layer = self._layers_forward
@@ -161,13 +163,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch, all_rows: bool = False,
-                attn_mass: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attn_mass: Optional[torch.Tensor] = None,
+                features: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Float32 logits ``[L, V]`` at ``batch.logits_indices`` (every row when ``all_rows``).
 
         ``attn_mass``: float32 ``[num_blocks * block_size]`` on the cache's device; every layer's
         attention adds the probability each slot received (summed over heads and query tokens),
-        the H2O signal (:mod:`pagedspec.engine.kv_eviction`)."""
+        the H2O signal (:mod:`pagedspec.engine.kv_eviction`). ``features``: ``[T, H]`` per input
+        token, for a model that takes them (an EAGLE draft, :class:`EagleDraft`). With
+        :attr:`keep_hidden` set, :attr:`hidden` holds every row's final-norm hidden state
+        ``[T, H]`` afterwards (what an EAGLE draft reads of its target)."""
         kv, model, dev = self.kv_cache, self.model, self.device
+        if (features is not None) != bool(getattr(model, "takes_features", False)):
+            raise ValueError("ModelRunner.execute: features must be given exactly for a model "
+                             f"that takes them ({type(model).__name__})")
         kv.apply(batch.block_ops)      # before the forward pass: it may read copied blocks
         if self.calibrate_fp8:
             self._track_moves(batch.block_ops)
@@ -177,8 +186,14 @@ class ModelRunner:
         graphs = self.graphs
         if (graphs is not None and not self.calibrate_fp8 and attn_mass is None
                 and graphs.fits(batch)):
-            wanted = np.arange(batch.num_tokens) if all_rows else batch.logits_indices.numpy()
-            return model.compute_logits(graphs.run(batch, wanted))
+            every = all_rows or self.keep_hidden
+            hidden = graphs.run(batch, np.arange(batch.num_tokens) if every
+                                else batch.logits_indices.numpy())
+            if self.keep_hidden:
+                self.hidden = hidden
+                if not all_rows:
+                    hidden = hidden[batch.logits_indices.to(dev)]
+            return model.compute_logits(hidden)
         slot_mapping = batch.slot_mapping.to(dev)
         block_tables, seq_lens = batch.block_tables.to(dev), batch.seq_lens.to(dev)
         cu_seqlens_q = batch.cu_seqlens_q.to(dev)
@@ -194,8 +209,8 @@ class ModelRunner:
         # every layer: the work and scratch follow the real lengths, not the table's width.
         plan = ops.plan_paged_attention(batch.seq_lens, batch.cu_seqlens_q, model.num_heads,
                                         model.num_kv_heads, model.head_size, dev)
-        inputs = (batch.input_ids.to(dev), batch.positions.to(dev), slot_mapping, block_tables,
-                  seq_lens, cu_seqlens_q, plan.plan, plan.workspace)
+        inputs = (batch.input_ids.to(dev), batch.positions.to(dev), features, slot_mapping,
+                  block_tables, seq_lens, cu_seqlens_q, plan.plan, plan.workspace)
         if calibrate:
             hidden = self._run_layers(
                 self._layers_forward, *inputs, batch.max_q_len, attn_mass,
@@ -217,12 +232,15 @@ class ModelRunner:
                 self.calibrate_fp8 = False        # scales fixed from here on
                 self._written.clear()
                 self._written_cpu.clear()
+        if self.keep_hidden:
+            self.hidden = hidden
         if not all_rows:
             hidden = hidden[batch.logits_indices.to(dev)]
         return model.compute_logits(hidden)
 
     def _run_layers(self, layer_fn: Callable[..., torch.Tensor], input_ids: torch.Tensor,
-                    positions: torch.Tensor, slot_mapping: torch.Tensor,
+                    positions: torch.Tensor, features: Optional[torch.Tensor],
+                    slot_mapping: torch.Tensor,
                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, plan: torch.Tensor, workspace: torch.Tensor,
                     max_q_len: int, attn_mass: Optional[torch.Tensor],
@@ -233,7 +251,8 @@ class ModelRunner:
         ``layer_fn`` (:meth:`_layers_forward` or its compiled graph). ``on_kv(layer, k, v)``
         sees each layer's new K/V before they are cached (calibration; eager only)."""
         kv, model = self.kv_cache, self.model
-        h, position_state = model.embed_input(input_ids, positions)
+        h, position_state = (model.embed_input(input_ids, positions) if features is None else
+                             model.embed_input(input_ids, positions, features.to(self.device)))
         step = (slot_mapping, block_tables, seq_lens, cu_seqlens_q, plan, workspace)
         if layer_fn is not self._layers_forward:
             for t in (h, *step, *position_state):   # step-varying sizes symbolic (or size 1)

@@ -166,16 +166,14 @@ class DraftModelProposer:
         for j in range(max(r.k for r in requests)):
             active = [i for i, r in enumerate(requests) if r.k > j]
             input_ids, positions, owners, q_lens, seq_lens, evicted = [], [], [], [], [], []
+            features = []
             for i in active:
                 r = requests[i]
-                n = len(r.token_ids)
-                if j == 0:
-                    start = min(self._computed.get(r.seq_id, 0), r.num_computed, n - 1)
-                    input_ids += r.token_ids[start:n]
-                    positions += range(start, n)
-                else:
-                    input_ids.append(drafts[i][-1])
-                    positions.append(n + j - 1)
+                ids, pos, feats = self._rows(r, j, drafts[i], i)
+                input_ids += ids
+                positions += pos
+                if feats is not None:
+                    features.append(feats)
                 q_lens.append(len(positions) - sum(q_lens))
                 owners += [r.batch_index] * q_lens[-1]
                 evicted += [r.num_evicted] * q_lens[-1]
@@ -197,7 +195,9 @@ class DraftModelProposer:
                 max_q_len=max(q_lens), logits_indices=(cu[1:] - 1).long(),
                 block_ops=BlockOps.empty())
             start = time.perf_counter()
-            logits = self.runner.execute(step)          # [n, N] on a reduced vocabulary
+            logits = self.runner.execute(             # [n, N] on a reduced vocabulary
+                step, features=torch.cat(features) if features else None)
+            self._after_pass(active, step)
             choice = logits.argmax(dim=-1)
             sampled = [a for a, i in enumerate(active) if requests[i].row.temperature > 0]
             if sampled:
@@ -213,9 +213,35 @@ class DraftModelProposer:
             for a, i in enumerate(active):
                 drafts[i].append(tokens[a])
             self.pass_times.append((len(active), len(input_ids), time.perf_counter() - start))
-        for r in requests:    # K/V written: up to the last token, then drafts 1 .. k-1
-            self._computed[r.seq_id] = len(r.token_ids) + r.k - 1
+        for r in requests:
+            self._computed[r.seq_id] = self._computed_after(r)
         return drafts, [torch.stack(p) if p else None for p in probs]
+
+    # The row layout of the passes: the hooks an EAGLE draft overrides.
+    def _rows(self, r: DraftRequest, j: int, drafts: list[int], i: int
+              ) -> tuple[Seq[int], Seq[int], Optional[torch.Tensor]]:
+        """Pass ``j``'s rows for request ``r`` (``i``-th of the step): token ids, positions,
+        features (None: the model takes none). Pass 0 feeds every token the draft cache lacks
+        through the last verified one, pass j > 0 draft j - 1."""
+        n = len(r.token_ids)
+        if j == 0:
+            start = min(self._computed.get(r.seq_id, 0), r.num_computed, n - 1)
+            return r.token_ids[start:n], range(start, n), None
+        return [drafts[-1]], [n + j - 1], None
+
+    def _after_pass(self, active: list[int], step: StepBatch) -> None:
+        """After each pass (``active``: the requests it ran, in row order)."""
+
+    def _computed_after(self, r: DraftRequest) -> int:
+        """Tokens whose draft K/V are current after drafting: up to the last verified token,
+        then drafts 1 .. k-1 (verification rolls the rejected ones back)."""
+        return len(r.token_ids) + r.k - 1
+
+    def regular_rows(self, k: int) -> int:
+        """Rows a sequence's first pass feeds at most when its cache was current after the last
+        step (which drafted ``k``): the corrected or bonus token and the last accepted draft;
+        more is catching up."""
+        return 2
 
     def _full_vocab(self, dist: torch.Tensor) -> torch.Tensor:
         """Distributions ``[n, N]`` over the reduced vocabulary as ``[n, V]`` over the whole,
@@ -237,6 +263,86 @@ class DraftModelProposer:
 
     def forget(self, seq_id: int) -> None:
         self._computed.pop(seq_id, None)
+
+
+class EagleProposer(DraftModelProposer):
+    """Drafts with an EAGLE head (:class:`pagedspec.models.llama.EagleDraft`), which reads the
+    target's final hidden states: the engine hands them over after each target pass
+    (:meth:`observe_target`) and the target runner keeps them (``keep_hidden``).
+
+    The draft's row for position ``i`` takes the token at ``i + 1`` and the target's feature at
+    ``i``, so its cache lags the target's by one position: after a verification that accepted
+    ``a`` drafts, the first pass feeds the ``a + 1`` rows whose features that verification
+    computed (the draft's earlier rows there had read its own estimates), and its last row
+    drafts token 1; pass j > 0 feeds draft j - 1 with the draft's output at the row before in
+    place of the feature. A position without a target feature (a prefix-cache hit, a forked
+    sequence's prompt) reads zeros: acceptance suffers there, exactness never does."""
+
+    def __init__(self, model: CausalLM, kv_cache: KVCache, calibrate_fp8: bool = False,
+                 compile: bool = False, vocab: Optional[torch.Tensor] = None):
+        super().__init__(model, kv_cache, calibrate_fp8, compile, vocab)
+        self.runner.keep_hidden = True
+        self.hidden_size = model.config.hidden_size
+        # seq id -> (position of the first row, the target's features [m, H] there and after)
+        # not yet fed to the draft
+        self._features: dict[int, tuple[int, torch.Tensor]] = {}
+        self._last: dict[int, torch.Tensor] = {}     # request index -> its last row's output
+
+    def observe_target(self, seq_id: int, position: int, hidden: torch.Tensor) -> None:
+        """The target's final hidden states ``[m, H]`` at ``position`` .. ``position + m - 1``
+        (verified positions only). A position the target recomputes (after a preemption) makes
+        the draft's rows from there stale too."""
+        if seq_id in self._computed:
+            self._computed[seq_id] = min(self._computed[seq_id], position)
+        start, held = self._features.get(seq_id, (position, hidden[:0]))
+        if start <= position <= start + held.shape[0]:
+            self._features[seq_id] = (start, torch.cat([held[:position - start], hidden]))
+        else:                                     # a gap, or recomputation from before start
+            self._features[seq_id] = (position, hidden.clone())
+
+    def _features_at(self, seq_id: int, start: int, end: int) -> torch.Tensor:
+        """The features of positions ``start .. end - 1`` (zeros where the target's are
+        unknown); those before ``end`` are dropped, fed from now on."""
+        out = torch.zeros(end - start, self.hidden_size, device=self.device)
+        first, held = self._features.get(seq_id, (end, None))
+        if held is not None:
+            lo, hi = max(start, first), min(end, first + held.shape[0])
+            if lo < hi:
+                out[lo - start:hi - start] = held[lo - first:hi - first]
+            rest = held[max(end - first, 0):]
+            if rest.shape[0]:
+                self._features[seq_id] = (max(end, first), rest)
+            else:
+                del self._features[seq_id]
+        return out
+
+    def _rows(self, r: DraftRequest, j: int, drafts: list[int], i: int
+              ) -> tuple[Seq[int], Seq[int], Optional[torch.Tensor]]:
+        n = len(r.token_ids)
+        if j == 0:
+            start = min(self._computed.get(r.seq_id, 0), r.num_computed, n - 2)
+            return (r.token_ids[start + 1:n], range(start, n - 1),
+                    self._features_at(r.seq_id, start, n - 1))
+        return [drafts[-1]], [n + j - 2], self._last[i]
+
+    def _after_pass(self, active: list[int], step: StepBatch) -> None:
+        last = self.runner.hidden[step.logits_indices.to(self.device)]
+        self._last = {i: last[a:a + 1] for a, i in enumerate(active)}
+
+    def _computed_after(self, r: DraftRequest) -> int:
+        return len(r.token_ids) - 1          # rows through n - 2 read the target's features
+
+    def regular_rows(self, k: int) -> int:
+        return k + 1
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        if parent_id in self._features:
+            start, held = self._features[parent_id]
+            self._features[child_id] = (start, held.clone())
+
+    def forget(self, seq_id: int) -> None:
+        super().forget(seq_id)
+        self._features.pop(seq_id, None)
 
 
 @dataclass

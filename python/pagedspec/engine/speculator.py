@@ -17,7 +17,8 @@ from pagedspec.engine.metrics import SpecDecodingStats
 from pagedspec.engine.sampler import SamplingRow
 from pagedspec.engine.scheduler import StepBatch
 from pagedspec.engine.sequence import Sequence
-from pagedspec.engine.speculative import DraftModelProposer, DraftRequest, NgramProposer
+from pagedspec.engine.speculative import (DraftModelProposer, DraftRequest, EagleProposer,
+                                          NgramProposer)
 
 # A draft cache lacking at most this many of a sequence's tokens counts as current (a learning
 # step may then draft for a quarter of the batch, at a few tokens of catch-up each).
@@ -107,9 +108,10 @@ class Speculator:
         model = self.draft_model
         paused = new = 0
         if model is not None:
+            regular = model.regular_rows(self.controller.max_k)
             for s in decoding:
                 computed = model.computed_tokens(s.seq_id)
-                lacking = max(len(s.token_ids) - computed - 2, 0)
+                lacking = max(len(s.token_ids) - computed - regular, 0)
                 if computed:
                     paused += lacking
                 else:
@@ -154,15 +156,44 @@ class Speculator:
         passes = model.pass_times
         seqs, tokens, seconds = passes[0]
         extra = (total - sum(t for _, _, t in passes)) / len(passes)
+        regular = model.regular_rows(max(batch.num_draft_tokens))
         if tokens > seqs:
             self.stats.catch_up_tokens += tokens - seqs
             self.stats.catch_up_seconds += seconds
-        if tokens > 2 * seqs:
+        if tokens > regular * seqs:
             self.controller.observe_catch_up(seqs, tokens, seconds + extra)
         for num_seqs, num_tokens, seconds in passes:
-            if num_tokens <= 2 * num_seqs:
+            if num_tokens <= regular * num_seqs:
                 self.controller.observe_draft(num_seqs, seconds + extra)
         return draft_probs
+
+    @property
+    def reads_target_hidden(self) -> bool:
+        """Whether the drafter reads the target's hidden states (an EAGLE head): the engine
+        then hands them over after each target pass (:meth:`observe_target_hidden`)."""
+        return isinstance(self.draft_model, EagleProposer)
+
+    def observe_target_hidden(self, batch: StepBatch, hidden: torch.Tensor,
+                              new_tokens: dict[int, list[int]]) -> None:
+        """Before the scheduler's update: the target's final hidden states ``[T, H]`` of this
+        step's rows go to the EAGLE drafter, for each sequence those of its verified positions
+        (a verification's accepted drafts and the row before them, a prefill chunk's every
+        row)."""
+        model = self.draft_model
+        cu = batch.cu_seqlens_q.tolist()
+        for i, seq in enumerate(batch.seqs):
+            k = batch.num_draft_tokens[i]
+            valid = batch.num_scheduled_tokens[i] - k
+            if k:
+                valid += len(new_tokens.get(seq.seq_id, [None])) - 1
+            model.observe_target(seq.seq_id, seq.num_computed_tokens,
+                                 hidden[cu[i]:cu[i] + valid])
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """A sequence forked from ``parent_id`` after its prompt (n > 1) shares its prompt's
+        features."""
+        if isinstance(self.draft_model, EagleProposer):
+            self.draft_model.fork(parent_id, child_id)
 
     def record(self, seq: Sequence, k: int, accepted: int) -> None:
         """One sequence verified ``k`` drafts and accepted the first ``accepted``."""

@@ -23,6 +23,9 @@ from pagedspec.engine.model import AttendFn
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
 MODEL_TYPES = ("llama", "qwen2", "mistral")
+# config.json key of an EAGLE draft head (:class:`EagleDraft`), and its input projection
+EAGLE_KEY = "pagedspec_eagle"
+EAGLE_FC = "fc.weight"
 
 
 class ConfigError(ValueError):
@@ -49,6 +52,8 @@ class LlamaConfig:
     mlp_bias: bool
     sliding_window: Optional[int]      # None: full attention
     torch_dtype: Optional[str]
+    eagle: bool = False                # an EAGLE draft head (EAGLE_KEY): it reads the target's
+                                       # hidden states through fc.weight [H, 2H]
 
     @classmethod
     def from_dict(cls, cfg: Mapping, source: str = "config.json") -> "LlamaConfig":
@@ -91,7 +96,8 @@ class LlamaConfig:
             o_proj_bias=(not qwen2) and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=int(window) if window is not None else None,
-            torch_dtype=str(dtype) if dtype is not None else None)
+            torch_dtype=str(dtype) if dtype is not None else None,
+            eagle=bool(cfg.get(EAGLE_KEY)))
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint of this config holds, by its ``transformers`` name."""
@@ -117,6 +123,8 @@ class LlamaConfig:
             if self.mlp_bias:
                 shapes.update({p + "mlp.gate_proj.bias": (I,), p + "mlp.up_proj.bias": (I,),
                                p + "mlp.down_proj.bias": (H,)})
+        if self.eagle:
+            shapes[EAGLE_FC] = (H, 2 * H)
         return shapes
 
     @staticmethod
@@ -370,3 +378,47 @@ class LlamaForCausalLM:
             raise KeyError(f"{name!r}: the model does not keep it as stored; it keeps "
                            f"{', '.join(held)}")
         return held[name]
+
+
+class EagleDraft(LlamaForCausalLM):
+    """An EAGLE-style draft head (Li et al. 2024): Llama decoder layers whose input at row ``i``
+    is ``fc([embed(x_{i+1}), f_i])``, ``f_i`` being a feature ``[H]`` of position ``i``: the
+    target's final hidden state there (its LM head's input), or for a position the target has
+    not computed yet, the draft's own output at the row before. Its output after the final norm
+    estimates the target's feature at ``i + 1``; the (usually borrowed) LM head on it gives the
+    draft's distribution of ``x_{i+2}``. The row for position ``i`` thus takes the token at
+    ``i + 1``: :class:`pagedspec.engine.speculative.EagleProposer` lays the rows out.
+
+    ``embed_input(input_ids, positions, features)``: ``features`` ``[T, H]``, any float dtype.
+    """
+
+    takes_features = True
+
+    def __init__(self, config: LlamaConfig, get_weight: Callable[[str], torch.Tensor],
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        super().__init__(config, get_weight, device, dtype)
+        self.fc = get_weight(EAGLE_FC).to(self.device, dtype)      # [H, 2H]
+
+    def embed_input(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                    features: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if features is None or features.shape != (input_ids.shape[0], self.config.hidden_size):
+            raise ValueError(f"EagleDraft.embed_input: features must be [{input_ids.shape[0]}, "
+                             f"{self.config.hidden_size}] (one per input token), got "
+                             f"{None if features is None else list(features.shape)}")
+        embeds, rope = super().embed_input(input_ids, positions)
+        x = torch.cat([embeds, features.to(self.dtype)], dim=-1)
+        return linear(x, self.fc), rope
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
+                features: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h, rope = self.embed_input(input_ids, positions, features)
+        for i, w in enumerate(self.layers):
+            h = self.decoder_layer(w, h, rope, lambda q, k, v, i=i: attend(i, q, k, v))
+        return self.final_norm(h)
+
+    def prepack_weights(self) -> bool:
+        packed = super().prepack_weights()
+        if packed:
+            self.fc = _prepacked(self.fc)
+        return packed

@@ -274,6 +274,8 @@ class Checkpoint:
             return tensor
 
         _, model_cls = _ARCHITECTURES[self.architecture]
+        if self.config.eagle:
+            model_cls = llama.EagleDraft
         try:
             return model_cls(self.config, get_weight, device=device, dtype=dtype)
         finally:
