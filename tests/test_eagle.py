@@ -199,3 +199,34 @@ def test_smoke_run_writes_a_loadable_head(smoke):
     assert [r["temperature"] for r in report["acceptance"]] == [0.0, 0.7]
     assert all(r["drafts"] > 0 and len(r["a"]) == 5 for r in report["acceptance"])
     assert "EAGLE" in (out / "README.md").read_text()
+
+
+def test_transformers_assisted_generation_refuses_a_head(pair):
+    from pagedspec.models import CheckpointError
+    from pagedspec.models.transformers_draft import load_draft_in_transformers
+
+    target, eagle = pair
+    with pytest.raises(CheckpointError, match="EAGLE head"):
+        load_draft_in_transformers(eagle, hf_model(target))
+
+
+def test_shipped_head_drafts_for_smollm2():
+    """The shipped head beside SmolLM2 (when the target has been fetched): greedy output equal
+    to plain decoding, and first-draft acceptance on a few held-out prompts near its card's
+    (0.51 over 48 prompts; 0.3 leaves room for the small slice)."""
+    from pagedspec.bench.e2e_spec import chat_renderer, render
+    from pagedspec.models.loader import cached_model
+
+    if cached_model("smollm2-135m") is None:
+        pytest.skip("smollm2-135m is not fetched (tools/fetch_smollm2.sh)")
+    head = ROOT / "python" / "pagedspec" / "models" / "data" / "smollm2-135m-eagle"
+    prompts = json.loads((head / "heldout_prompts.json").read_text())[:4]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    plain = LLM("smollm2-135m", dtype="float32", max_model_len=512)
+    ids = [render(chat_renderer(plain), p["messages"]) for p in prompts]
+    want = [o.outputs[0].token_ids for o in plain.generate(ids, params)]
+    llm = LLM("smollm2-135m", dtype="float32", max_model_len=512,
+              speculative_model="smollm2-135m-eagle", num_speculative_tokens=2,
+              speculative_adaptive=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(ids, params)] == want
+    assert llm.speculative_metrics()["acceptance_rate_per_position"][0] > 0.3

@@ -253,7 +253,7 @@ def train(head: EagleHead, vocab_head: torch.Tensor, examples, val, features, em
 
 
 # ---- saving and evaluation ------------------------------------------------------------------
-def save_head(head: EagleHead, config, out: Path, token_draft: Path, target_hf: Path) -> None:
+def save_head(head: EagleHead, config, out: Path, token_draft: Path) -> None:
     from safetensors.torch import save_file
 
     if out.exists():
@@ -270,12 +270,10 @@ def save_head(head: EagleHead, config, out: Path, token_draft: Path, target_hf: 
     tensors = {n: t.detach().to(torch.bfloat16).contiguous()
                for n, t in head.state_for_checkpoint().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # No tokenizer: the head loads only beside its target (it borrows the embedding), whose
+    # tokenizer it shares by construction; a copy would add 3.5 MB to the package.
     for name in ("draft_vocab.json", "heldout_prompts.json"):
         shutil.copy(token_draft / name, out / name)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                 "chat_template.jinja"):
-        if (target_hf / name).exists():
-            shutil.copy(target_hf / name, out / name)
 
 
 def evaluate(target: str, out: Path, args) -> list[dict]:
@@ -428,7 +426,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     head = make_head(config, final_norm)
     result = train(head, vocab_head, train_set, val, features, embedding, args)
     phase("train")
-    save_head(head, config, args.out, args.token_draft, hf)
+    save_head(head, config, args.out, args.token_draft)
     report = {
         "name": args.out.name, "target": args.target, "seed": args.seed,
         "config": {"hidden_size": config.hidden_size,

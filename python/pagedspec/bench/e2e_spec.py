@@ -405,13 +405,18 @@ def run_transformers_peer(target: Path, draft: Path, workloads: list[SpecWorkloa
     from pagedspec.models.transformers_draft import load_draft_in_transformers
 
     torch_dtype = getattr(torch, dtype)
+    assisted = peer_draft(draft)
     with ExitStack() as stack:
         hf_dir = _hf_directory(target, stack)
         hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch_dtype)
         hf = hf.to(device).eval()
-        assistant = load_draft_in_transformers(draft, hf, torch_dtype).to(device)
-    methods = (("generate", {}), ("assisted (draft)", {"assistant_model": assistant}),
-               ("prompt lookup", {"prompt_lookup_num_tokens": PEER_PROMPT_LOOKUP}))
+        assistant = (load_draft_in_transformers(assisted, hf, torch_dtype).to(device)
+                     if assisted is not None else None)
+    methods = [("generate", {}),
+               ("prompt lookup", {"prompt_lookup_num_tokens": PEER_PROMPT_LOOKUP})]
+    if assistant is not None:
+        name = "assisted (draft)" if assisted == draft else f"assisted ({assisted.name})"
+        methods.insert(1, (name, {"assistant_model": assistant}))
     rows = []
     for w in workloads:
         prompts = [w.prompts[i % len(w.prompts)] for i in range(BATCH1_PROMPTS)]
@@ -431,6 +436,18 @@ def run_transformers_peer(target: Path, draft: Path, workloads: list[SpecWorkloa
             rows.append({"workload": w.name, "config": name, "batch": 1, "seconds": seconds,
                          "tokens": tokens, "output_tok_s": tokens / seconds})
     return rows
+
+
+def peer_draft(draft: Path) -> Optional[Path]:
+    """The draft transformers' assisted generation runs: ``draft`` itself, or for an EAGLE head
+    (which needs the target's hidden states, which assisted generation does not pass) the
+    token-only draft shipped beside it for SmolLM2; None when there is none."""
+    from pagedspec.models import load_checkpoint, resolve_model_path
+
+    if not load_checkpoint(draft).config.eagle:
+        return draft
+    token_draft = resolve_model_path(SMOLLM2_DRAFT)
+    return token_draft if draft.parent == token_draft.parent else None
 
 
 # ---- report ---------------------------------------------------------------------------------

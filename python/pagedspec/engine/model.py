@@ -45,7 +45,8 @@ class CausalLM(Protocol):
     def embed_input(self, input_ids: torch.Tensor, positions: torch.Tensor
                     ) -> tuple[torch.Tensor, Any]:
         """The hidden states ``[T, hidden]`` entering layer 0 and the per-token position state
-        (tensors) every layer reads."""
+        (tensors) every layer reads. A model with ``takes_features = True`` (an EAGLE draft
+        head) takes a third argument, ``features`` ``[T, hidden]``, one per input token."""
         ...
 
     def decoder_layer(self, weights: Any, hidden: torch.Tensor, position_state: Any,

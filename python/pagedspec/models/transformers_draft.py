@@ -29,6 +29,10 @@ def load_draft_in_transformers(draft: Union[str, os.PathLike], target,
     from safetensors.torch import load_file
 
     ckpt = load_checkpoint(draft)
+    if ckpt.config.eagle:
+        raise CheckpointError(f"{ckpt.path}: an EAGLE head, which reads the target's hidden "
+                              "states; transformers' assisted generation runs standalone drafts "
+                              "only")
     if ckpt.path.is_file():
         raise CheckpointError(f"{ckpt.path}: a GGUF draft; load it with transformers' "
                               "from_pretrained(gguf_file=...)")
