@@ -108,10 +108,9 @@ class Speculator:
         model = self.draft_model
         paused = new = 0
         if model is not None:
-            regular = model.regular_rows(self.controller.max_k)
             for s in decoding:
                 computed = model.computed_tokens(s.seq_id)
-                lacking = max(len(s.token_ids) - computed - regular, 0)
+                lacking = max(len(s.token_ids) - computed - 2, 0)
                 if computed:
                     paused += lacking
                 else:
@@ -156,14 +155,13 @@ class Speculator:
         passes = model.pass_times
         seqs, tokens, seconds = passes[0]
         extra = (total - sum(t for _, _, t in passes)) / len(passes)
-        regular = model.regular_rows(max(batch.num_draft_tokens))
         if tokens > seqs:
             self.stats.catch_up_tokens += tokens - seqs
             self.stats.catch_up_seconds += seconds
-        if tokens > regular * seqs:
+        if tokens > 2 * seqs:
             self.controller.observe_catch_up(seqs, tokens, seconds + extra)
         for num_seqs, num_tokens, seconds in passes:
-            if num_tokens <= regular * num_seqs:
+            if num_tokens <= 2 * num_seqs:
                 self.controller.observe_draft(num_seqs, seconds + extra)
         return draft_probs
 
