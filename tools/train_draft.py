@@ -935,6 +935,29 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return args
 
 
+def write_report(out: Path, report: dict, card: str) -> None:
+    """``training.json`` and the model card ``README.md`` into the checkpoint directory."""
+    write_json(out / "training.json", report)
+    (out / "README.md").write_text(card)
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"wrote {out} ({size / 1e6:.1f} MB)", flush=True)
+
+
+class Phases:
+    """Seconds per phase of a run: ``phase(name)`` ends the phase begun at the last call (or at
+    construction), records it in :attr:`seconds` and prints it."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._clock = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self._clock, 1)
+        self._clock = now
+        print(f"== {name}: {self.seconds[name]:.0f}s", flush=True)
+
+
 def write_json(path: Path, value) -> None:
     path.write_text(json.dumps(value, indent=1) + "\n")
 
@@ -1113,14 +1136,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     args.work.mkdir(parents=True, exist_ok=True)
-    phases: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def phase(name: str) -> None:
-        nonlocal clock
-        phases[name] = round(time.perf_counter() - clock, 1)
-        clock = time.perf_counter()
-        print(f"== {name}: {phases[name]:.0f}s", flush=True)
+    phase = Phases()
+    phases = phase.seconds
 
     from pagedspec import LLM
     from pagedspec.models import load_checkpoint
@@ -1198,10 +1215,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "machine": machine(),
         "command": shlex.join(["python", "tools/train_draft.py", *argv]),
     }
-    write_json(args.out / "training.json", report)
-    (args.out / "README.md").write_text(model_card(report))
-    size = sum(f.stat().st_size for f in args.out.iterdir())
-    print(f"wrote {args.out} ({size / 1e6:.1f} MB)")
+    write_report(args.out, report, model_card(report))
     return 0
 
 

@@ -56,8 +56,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_demo_models import lr_at, make_optimizer  # noqa: E402
 from train_draft import (BORROWED_KEY, EMBEDDING, SAMPLE_TEMPERATURE, Example,  # noqa: E402
-                         epoch_batches, load_generations, machine, target_embedding,
-                         target_hf_dir, write_json)
+                         Phases, epoch_batches, load_generations, machine, target_embedding,
+                         target_hf_dir, write_report)
 
 EAGLE_KEY = "pagedspec_eagle"          # config.json: marks an EAGLE head, names its input
 FC = "fc.weight"
@@ -395,18 +395,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.evaluate_only:
         report = json.loads((args.out / "training.json").read_text())
         report["acceptance"] = evaluate(args.target, args.out, args)
-        write_json(args.out / "training.json", report)
-        (args.out / "README.md").write_text(model_card(report))
+        write_report(args.out, report, model_card(report))
         return 0
     args.work.mkdir(parents=True, exist_ok=True)
-    phases: dict[str, float] = {}
-    clock = time.perf_counter()
-
-    def phase(name: str) -> None:
-        nonlocal clock
-        phases[name] = round(time.perf_counter() - clock, 1)
-        clock = time.perf_counter()
-        print(f"== {name}: {phases[name]:.0f}s", flush=True)
+    phase = Phases()
+    phases = phase.seconds
 
     hf = target_hf_dir(args.target, args.target_hf, args.work)
     generations, done, _ = load_generations(args.generations)
@@ -441,18 +434,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "machine": machine(),
         "command": shlex.join(["python", "tools/train_eagle.py", *argv]),
     }
-    write_json(args.out / "training.json", report)
-    (args.out / "README.md").write_text(model_card(report))
-    try:
-        report["acceptance"] = evaluate(args.target, args.out, args)
-        phase("evaluate")
-    except Exception as exc:           # the head is saved; --evaluate-only reruns this part
-        print(f"evaluation failed: {exc!r}", flush=True)
-    report["phase_seconds"] = phases
-    write_json(args.out / "training.json", report)
-    (args.out / "README.md").write_text(model_card(report))
-    size = sum(f.stat().st_size for f in args.out.iterdir())
-    print(f"wrote {args.out} ({size / 1e6:.1f} MB)")
+    # Written before the evaluation too: should it fail, --evaluate-only reruns just that.
+    write_report(args.out, report, model_card(report))
+    report["acceptance"] = evaluate(args.target, args.out, args)
+    phase("evaluate")
+    write_report(args.out, report, model_card(report))
     return 0
 
 
