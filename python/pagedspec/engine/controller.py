@@ -29,13 +29,13 @@ request's prompt is paid once in its life if it ever drafts: it is spread over t
 mean room instead (spread over decide_every, it kept a draft that won 1.12x at batch 1 off).
 
 Measurements. ``t`` and ``d`` are kept as moving averages in buckets of their argument (each
-size up to 32, powers of two above) and interpolated linearly between measured buckets; above them ``t`` is extrapolated along the slope
-of the last two (proportionally to the tokens while only one is known: pessimistic for
-speculation, so a large k is not chosen on hope). Every ``explore_every`` steps one step uses
-a neighbour of the best k (best + 1 when speculation is off), so costs and acceptance stay
-measured near the choice at the price of one slightly worse step; while k = 0 keeps winning,
-the gap doubles up to ``MAX_EXPLORE_EVERY`` (exploring then costs a verification and a draft
-model's catch-up). The first two steps draft up to 4 tokens to learn the acceptance, then
+size up to 32, powers of two above) and interpolated linearly between measured buckets; above
+them ``t`` is extrapolated along the slope of the last two (proportionally to the tokens while
+only one is known: pessimistic for speculation, so a large k is not chosen on hope). Every
+``explore_every`` steps one step uses a neighbour of the best k (best + 1 when speculation is
+off), so costs and acceptance stay measured near the choice at the price of one slightly worse
+step; while k = 0 keeps winning, the gap doubles up to ``MAX_EXPLORE_EVERY`` (exploring then
+costs a verification and a draft model's catch-up). The first two steps draft up to 4 tokens to learn the acceptance, then
 one plain step measures the cost without drafts. Learning steps draft for a quarter of the
 batch only: at a large batch, where speculation rarely pays, they stay cheap (a draft model
 must also catch its cache up on every token it skipped).

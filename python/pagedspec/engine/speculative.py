@@ -269,8 +269,9 @@ class EagleProposer(DraftModelProposer):
     ``a`` drafts, the first pass feeds the ``a + 1`` rows whose features that verification
     computed (the draft's earlier rows there had read its own estimates), and its last row
     drafts token 1; pass j > 0 feeds draft j - 1 with the draft's output at the row before in
-    place of the feature. A position without a target feature (a prefix-cache hit, a forked
-    sequence's prompt) reads zeros: acceptance suffers there, exactness never does."""
+    place of the feature. A forked sequence (n > 1) inherits its parent's features; a position
+    without any (a prefix-cache hit) reads zeros: acceptance suffers there, exactness never
+    does."""
 
     def __init__(self, model: CausalLM, kv_cache: KVCache, calibrate_fp8: bool = False,
                  compile: bool = False, vocab: Optional[torch.Tensor] = None):
