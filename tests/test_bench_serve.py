@@ -310,5 +310,8 @@ def test_launch_gives_up_on_a_server_that_exits_or_never_answers(tmp_path):
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="did not answer within"):
         silent.start()
-    assert time.monotonic() - start < 3.0 + bench.STOP_GRACE_S
+    # The bound a correct launcher keeps however loaded the machine: the start timeout, one
+    # health request's own 2 s timeout past it, and stop()'s whole escalation (SIGINT, SIGTERM,
+    # SIGKILL waits). The SIGINT wait alone once took 18 s under CI's load.
+    assert time.monotonic() - start < 3.0 + 2.0 + bench.STOP_GRACE_S + 10.0 + 10.0
     assert silent.process is None
