@@ -204,7 +204,7 @@ class EngineCore:
                     and scales is None, compile=config.compile,
                     vocab=draft_ckpt.draft_vocab()))
                 # An EAGLE head reads the target's final hidden states of every step.
-                self.runner.keep_hidden = dc.eagle
+                self.runner.keep_hidden = self.speculator.reads_target_hidden
         if config.cuda_graphs and self.device.type == "cuda":
             for runner in self.runners:
                 # An EAGLE head's passes take features, which the graphs' buffers do not hold.

@@ -255,6 +255,14 @@ class DraftModelProposer:
         """Tokens of the sequence the draft cache holds (KV eviction keeps to them)."""
         return self._computed.get(seq_id, 0)
 
+    # Whether the drafter reads the target's final hidden states (the engine then hands them
+    # over after each target pass, :meth:`observe_target`).
+    reads_target_hidden = False
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """``child_id`` was forked from ``parent_id`` after its prompt (n > 1): the shared
+        blocks hold the same draft K/V, nothing to do here."""
+
     def forget(self, seq_id: int) -> None:
         self._computed.pop(seq_id, None)
 
@@ -276,7 +284,7 @@ class EagleProposer(DraftModelProposer):
     def __init__(self, model: CausalLM, kv_cache: KVCache, calibrate_fp8: bool = False,
                  compile: bool = False, vocab: Optional[torch.Tensor] = None):
         super().__init__(model, kv_cache, calibrate_fp8, compile, vocab)
-        self.runner.keep_hidden = True
+        self.runner.keep_hidden = True          # its own passes feed the next one
         self.hidden_size = model.config.hidden_size
         # seq id -> (position of the first row, rows held, the target's features there and
         # after, not yet fed to the draft: [m_i, H] chunks as the steps delivered them,
@@ -284,6 +292,8 @@ class EagleProposer(DraftModelProposer):
         # however long it is; appending by concatenation cost 2.5 ms a step at batch 64)
         self._features: dict[int, tuple[int, int, list[torch.Tensor]]] = {}
         self._last: dict[int, torch.Tensor] = {}     # request index -> its last row's output
+
+    reads_target_hidden = True
 
     def observe_target(self, seq_id: int, position: int, hidden: torch.Tensor) -> None:
         """The target's final hidden states ``[m, H]`` at ``position`` .. ``position + m - 1``

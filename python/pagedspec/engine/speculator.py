@@ -17,8 +17,7 @@ from pagedspec.engine.metrics import SpecDecodingStats
 from pagedspec.engine.sampler import SamplingRow
 from pagedspec.engine.scheduler import StepBatch
 from pagedspec.engine.sequence import Sequence
-from pagedspec.engine.speculative import (DraftModelProposer, DraftRequest, EagleProposer,
-                                          NgramProposer)
+from pagedspec.engine.speculative import DraftModelProposer, DraftRequest, NgramProposer
 
 # A draft cache lacking at most this many of a sequence's tokens counts as current (a learning
 # step may then draft for a quarter of the batch, at a few tokens of catch-up each).
@@ -169,7 +168,7 @@ class Speculator:
     def reads_target_hidden(self) -> bool:
         """Whether the drafter reads the target's hidden states (an EAGLE head): the engine
         then hands them over after each target pass (:meth:`observe_target_hidden`)."""
-        return isinstance(self.draft_model, EagleProposer)
+        return self.draft_model is not None and self.draft_model.reads_target_hidden
 
     def observe_target_hidden(self, batch: StepBatch, hidden: torch.Tensor,
                               new_tokens: dict[int, list[int]]) -> None:
@@ -188,9 +187,9 @@ class Speculator:
                                  hidden[cu[i]:cu[i] + valid])
 
     def fork(self, parent_id: int, child_id: int) -> None:
-        """A sequence forked from ``parent_id`` after its prompt (n > 1) shares its prompt's
-        features."""
-        if isinstance(self.draft_model, EagleProposer):
+        """``child_id`` was forked from ``parent_id`` after its prompt (n > 1): the drafter
+        learns of it (an EAGLE head gives the child its parent's prompt features)."""
+        if self.draft_model is not None:
             self.draft_model.fork(parent_id, child_id)
 
     def record(self, seq: Sequence, k: int, accepted: int) -> None:

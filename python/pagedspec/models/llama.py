@@ -331,7 +331,10 @@ class LlamaForCausalLM:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attend: AttendFn) -> torch.Tensor:
-        h, rope = self.embed_input(input_ids, positions)
+        return self._layers_and_norm(*self.embed_input(input_ids, positions), attend)
+
+    def _layers_and_norm(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                         attend: AttendFn) -> torch.Tensor:
         for i, w in enumerate(self.layers):
             h = self.decoder_layer(w, h, rope, lambda q, k, v, i=i: attend(i, q, k, v))
         return self.final_norm(h)
@@ -412,10 +415,7 @@ class EagleDraft(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: AttendFn,
                 features: Optional[torch.Tensor] = None) -> torch.Tensor:
-        h, rope = self.embed_input(input_ids, positions, features)
-        for i, w in enumerate(self.layers):
-            h = self.decoder_layer(w, h, rope, lambda q, k, v, i=i: attend(i, q, k, v))
-        return self.final_norm(h)
+        return self._layers_and_norm(*self.embed_input(input_ids, positions, features), attend)
 
     def prepack_weights(self) -> bool:
         packed = super().prepack_weights()
