@@ -416,18 +416,11 @@ def vllm_python(choice: Optional[str]) -> Optional[Path]:
     return None
 
 
-def run_vllm(python: Path, hf_dir: Path, dtype: str, batches: list[tuple[Workload, Prompts]],
-             max_model_len: int, threads: int) -> tuple[dict[str, EngineRun], dict]:
-    """Runs the workloads in one vLLM process (:mod:`pagedspec.bench.vllm_worker`); its runs by
-    workload name and ``{"vllm_version", "load_s"}``. Raises RuntimeError with the worker's
-    stderr tail when it fails."""
+def run_vllm_worker(python: Path, spec: dict) -> dict:
+    """One vLLM process (:mod:`pagedspec.bench.vllm_worker`, with ``python``) on ``spec``; its
+    result. Raises RuntimeError with the worker's stderr tail when it fails."""
     worker = Path(__file__).with_name("vllm_worker.py")
-    spec = {"model": str(hf_dir), "dtype": dtype, "threads": threads,
-            "max_model_len": max_model_len, "max_num_seqs": MAX_NUM_SEQS,
-            "workloads": [{"name": w.name, "prompts": p.token_ids, "max_tokens": p.max_tokens,
-                           "ignore_eos": not p.stop_token_ids, "stop_token_ids": p.stop_token_ids}
-                          for w, p in batches]}
-    with tempfile.TemporaryDirectory(prefix="pagedspec-e2e-vllm-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="pagedspec-vllm-") as tmp:
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
         proc = subprocess.run([str(python), str(worker), str(spec_path), str(result_path)],
@@ -435,7 +428,20 @@ def run_vllm(python: Path, hf_dir: Path, dtype: str, batches: list[tuple[Workloa
         if proc.returncode != 0 or not result_path.is_file():
             raise RuntimeError(f"vLLM worker failed ({python}, exit {proc.returncode}):\n"
                                f"{proc.stderr[-3000:]}")
-        result = json.loads(result_path.read_text())
+        return json.loads(result_path.read_text())
+
+
+def run_vllm(python: Path, hf_dir: Path, dtype: str, batches: list[tuple[Workload, Prompts]],
+             max_model_len: int, threads: int) -> tuple[dict[str, EngineRun], dict]:
+    """Runs the workloads in one vLLM process (:mod:`pagedspec.bench.vllm_worker`); its runs by
+    workload name and ``{"vllm_version", "load_s"}``. Raises RuntimeError with the worker's
+    stderr tail when it fails."""
+    spec = {"model": str(hf_dir), "dtype": dtype, "threads": threads,
+            "max_model_len": max_model_len, "max_num_seqs": MAX_NUM_SEQS,
+            "workloads": [{"name": w.name, "prompts": p.token_ids, "max_tokens": p.max_tokens,
+                           "ignore_eos": not p.stop_token_ids, "stop_token_ids": p.stop_token_ids}
+                          for w, p in batches]}
+    result = run_vllm_worker(python, spec)
     runs = {}
     for (w, p), r in zip(batches, result["workloads"]):
         tokens = [until_stop(t, p.stop_token_ids, n) for t, n in zip(r["tokens"], p.max_tokens)]

