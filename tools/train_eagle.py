@@ -53,14 +53,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagedspec.models.llama import EAGLE_FC as FC, EAGLE_KEY   # the format the loader reads
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_demo_models import lr_at, make_optimizer  # noqa: E402
 from train_draft import (BORROWED_KEY, EMBEDDING, SAMPLE_TEMPERATURE, Example,  # noqa: E402
                          Phases, epoch_batches, load_generations, machine, target_embedding,
                          target_hf_dir, write_report)
 
-EAGLE_KEY = "pagedspec_eagle"          # config.json: marks an EAGLE head, names its input
-FC = "fc.weight"
 DEFAULT_TOKEN_DRAFT = Path("python/pagedspec/models/data/smollm2-135m-draft")
 SMOKE = dict(train_minutes=0.05, max_sequences=12, tokens_per_step=512, eval_prompts=2,
              eval_max_tokens=8, evals=1, warmup_steps=2)
