@@ -1,6 +1,7 @@
 // Every pagedspec op schema, in one always-compiled file (the public contract is
 // docs/CONTRACT.md). Backend kernels register themselves beside their code:
-// csrc/cpu/*.cpp with TORCH_LIBRARY_IMPL(pagedspec, CPU, m) and csrc/cuda/*.cu with CUDA.
+// csrc/cpu/*.cpp with TORCH_LIBRARY_IMPL(pagedspec, CPU, m) and csrc/cuda/*.cu with CUDA. The
+// model runner's CPU-only ops (pagedspec_models) are defined here too.
 // Fake (meta) kernels for torch.compile live in python/pagedspec/_fake.py.
 //
 // Index dtypes: block_tables, seq_lens, cu_seqlens_q, num_draft_tokens are int32;
@@ -189,6 +190,17 @@ TORCH_LIBRARY(pagedspec, m) {
   define(m, "cms_query(Tensor sketch, Tensor keys) -> Tensor");
   // Ages every counter: counter >>= shift.
   define(m, "cms_decay(Tensor(a!) sketch, int shift=1) -> ()");
+}
+
+// The model runner's own ops: not part of the contract (engines bring their own GEMMs), CPU only.
+TORCH_LIBRARY(pagedspec_models, m) {
+  // out [M, N] = input [M, K] . W^T (+ bias [N]) for W stored packed
+  // (include/pagedspec/packed_linear.h); float32 or bfloat16 throughout, float32 sums. With
+  // onednn_weight (W prepacked for oneDNN, mkldnn::_reorder_linear_weight), products of more
+  // than max_packed_rows rows take oneDNN's kernel on it instead.
+  define(m,
+      "packed_linear(Tensor input, Tensor weight, Tensor? bias=None, "
+      "Tensor? onednn_weight=None, int max_packed_rows=4) -> Tensor");
 }
 
 // `import pagedspec._C` loads this library (and so runs the registrations above); the module

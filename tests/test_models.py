@@ -16,9 +16,11 @@ import shutil
 import pytest
 import torch
 
+import pagedspec
 from checkpoints import BASE, hf_model, make_checkpoint
 from pagedspec.engine import BlockOps, KVCache, ModelRunner, StepBatch
 from pagedspec.models import CheckpointError, LlamaConfig, load_checkpoint
+from pagedspec.models.llama import PackedWeight
 
 
 # name -> (architecture, config overrides)
@@ -285,20 +287,31 @@ def test_logits_on_cuda_as_close_as_transformers(checkpoint_dirs, gen, name):
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
-def test_prepacked_weights_compute_the_same_logits(checkpoint_dirs, gen):
-    """Eager float32 CPU runners (and bfloat16 ones where oneDNN computes bfloat16) put the
-    projections and LM head in oneDNN's layout: the logits move by float32 rounding only (a
-    wrong layout or transposition moves them by O(1)), float16 keeps plain weights, and a
-    vocabulary is restricted before packing or not at all (the compiled forward on packed
-    weights: tests/test_compile.py)."""
+@pytest.mark.parametrize("level", ["default", "avx2"])
+def test_prepacked_weights_compute_the_same_logits(checkpoint_dirs, gen, level, monkeypatch):
+    """Eager float32 CPU runners (and bfloat16 ones where oneDNN computes bfloat16) re-lay the
+    projections and LM head out: packed_linear's layout with oneDNN's beside it where the CPU
+    kernels run at the avx512 level, oneDNN's alone below it (forced here with
+    PAGEDSPEC_CPU_ISA=avx2). The logits move by float32 rounding only (a wrong layout or
+    transposition moves them by O(1)), float16 keeps plain weights, and a vocabulary is
+    restricted before packing or not at all (the compiled forward on packed weights:
+    tests/test_compile.py)."""
     from checkpoints import dense_forward
+
+    if level != "default":
+        if level not in pagedspec.build_info()["cpu_isa_supported"]:
+            pytest.skip(f"this CPU lacks the {level} instructions")
+        monkeypatch.setenv("PAGEDSPEC_CPU_ISA", level)
+    packed_layout = pagedspec._C.cpu_isa() == "avx512"
 
     path = checkpoint_dirs["llama-gqa4"]
     tokens = torch.randint(0, BASE["vocab_size"], (12,), generator=gen).tolist()
     model = load_checkpoint(path).load_model(torch.float32)
     with torch.no_grad():
         plain = model.compute_logits(dense_forward(model, tokens))
-        assert model.prepack_weights() and model.layers[0].qkv.is_mkldnn
+        assert model.prepack_weights()
+        qkv = model.layers[0].qkv
+        assert isinstance(qkv, PackedWeight) if packed_layout else qkv.is_mkldnn
         assert not model.prepack_weights()                   # once
         packed = model.compute_logits(dense_forward(model, tokens))
     scale = plain.abs().max().item()

@@ -25,6 +25,7 @@
 #include "fp8_checks.h"
 #include "pagedspec/attention.h"
 #include "pagedspec/attention_plan.h"
+#include "pagedspec/packed_linear.h"
 #include "pagedspec/sampling.h"
 
 #define PAGEDSPEC_DECLARE_CPU_KERNELS(NS)                                                       \
@@ -45,6 +46,8 @@
   void dequantize_fp8(at::Tensor& out, const at::Tensor& input, const Fp8ConvertArgs& args);    \
   /* rejection_sample over every request of validated parameters. */                            \
   void rejection_sample(const RejectionSampleParams& p);                                        \
+  /* pagedspec_models::packed_linear; bf16_dot: AVX512-BF16 products for bf16 (avx512 only). */ \
+  void packed_linear(const PackedLinearParams& p, bool bf16_dot);                               \
   }
 
 PAGEDSPEC_DECLARE_CPU_KERNELS(cpu_baseline)

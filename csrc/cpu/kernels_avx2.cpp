@@ -1,4 +1,4 @@
-// The CPU kernels (attention, reshape_and_cache, FP8 conversion, rejection sampling) built for
+// The CPU kernels (attention, reshape_and_cache, FP8 conversion, rejection sampling, packed linear) built for
 // AVX2 CPUs: AVX2, FMA and F16C enabled.
 #include "cpu/kernel_levels.h"
 #pragma GCC target("avx2,fma,f16c")
@@ -7,4 +7,5 @@
 #include "cpu/attention_impl.h"
 #include "cpu/cache_impl.h"
 #include "cpu/fp8_impl.h"
+#include "cpu/linear_impl.h"
 #include "cpu/sampling_impl.h"

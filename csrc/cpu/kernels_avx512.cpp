@@ -1,4 +1,4 @@
-// The CPU kernels (attention, reshape_and_cache, FP8 conversion, rejection sampling) built for
+// The CPU kernels (attention, reshape_and_cache, FP8 conversion, rejection sampling, packed linear) built for
 // AVX-512 CPUs: AVX-512 F/BW/VL/DQ (and AVX2, FMA, F16C) enabled.
 #include "cpu/kernel_levels.h"
 // GCC 12's AVX-512 intrinsics build their pass-through operand with _mm512_undefined_ps()
@@ -11,4 +11,5 @@
 #include "cpu/attention_impl.h"
 #include "cpu/cache_impl.h"
 #include "cpu/fp8_impl.h"
+#include "cpu/linear_impl.h"
 #include "cpu/sampling_impl.h"

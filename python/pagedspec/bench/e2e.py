@@ -85,11 +85,11 @@ PROFILE_CONTEXT = 256         # their prompts' length
 VLLM_PYTHON = Path(".venv-vllm/bin/python")
 VLLM_TIMEOUT_S = 1800
 # Self time in these counts as "GEMM" in the step split (linear and matmul dispatch to the GEMM
-# ops below them, so mostly those hold the time; eager float32 CPU models run oneDNN's product on
-# prepacked weights, mkldnn::_linear_pointwise).
+# ops below them, so mostly those hold the time; CPU models run oneDNN's product on its prepacked
+# weights, mkldnn::_linear_pointwise, and products of a few rows packed_linear's).
 LINEAR_OPS = frozenset({"aten::linear", "aten::matmul", "aten::mm", "aten::addmm", "aten::bmm",
                         "aten::baddbmm", "aten::mv", "aten::addmv", "aten::_addmm_activation",
-                        "mkldnn::_linear_pointwise"})
+                        "mkldnn::_linear_pointwise", "pagedspec_models::packed_linear"})
 CHAT_QUESTIONS = (
     "What is the capital of France?",
     "Write a Python function that reverses a string.",

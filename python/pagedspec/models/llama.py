@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -136,9 +136,23 @@ class LlamaConfig:
                 or name.endswith(("self_attn.k_scale", "self_attn.v_scale")))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
-           ) -> torch.Tensor:
-    """``F.linear``, or oneDNN's product for a weight :func:`_prepacked` for it."""
+class PackedWeight(NamedTuple):
+    """A projection's weight ``[N, K]`` for the CPU's products of few rows: ``packed`` in the
+    layout of ``pagedspec_models::packed_linear`` (:func:`pack_linear_weight`), and ``onednn``,
+    the same weight prepacked for oneDNN (or None), which products of more than
+    :data:`PACKED_MAX_ROWS` rows take instead."""
+    packed: torch.Tensor
+    onednn: Optional[torch.Tensor]
+
+
+def linear(x: torch.Tensor, weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for ``x`` ``[..., K]``, whatever the weight's layout: plain
+    ``[N, K]``, a :class:`PackedWeight`, or prepacked for oneDNN (:func:`_prepacked`)."""
+    if isinstance(weight, PackedWeight):
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        out = torch.ops.pagedspec_models.packed_linear(rows, weight.packed, bias, weight.onednn,
+                                                       PACKED_MAX_ROWS)
+        return out.view(*x.shape[:-1], out.shape[-1])
     if weight.is_mkldnn:
         if torch.compiler.is_compiling():
             return _prepacked_linear(x, weight, bias)
@@ -160,15 +174,70 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> to
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+@torch.library.register_fake("pagedspec_models::packed_linear")
+def _(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+      onednn_weight: Optional[torch.Tensor] = None, max_packed_rows: int = 4) -> torch.Tensor:
+    return input.new_empty((input.shape[0], weight.shape[0] * weight.shape[2]))
+
+
 # oneDNN's layout hint (rows per product). Any row count runs on the layout; a hint of 1 picks
 # a matrix-vector layout on which 2-17 rows cost as much as with F.linear, any hint from 2 to 64
 # one on which they cost 1.25-1.6x less, and one row the same (MILAN-VM, float32, 2026-12-07).
 PREPACK_ROWS_HINT = 16
+# Rows up to which packed_linear beats oneDNN on its prepacked weights (EPYC-VM, Zen 4, 2 threads,
+# SmolLM2's projections, 2026-12-07: bfloat16 1.6-2.1x at 1-4 rows, 1.06-1.13x at 5-6, even at 8;
+# float32 1.2-1.6x at 1-4, 0.85-0.9x at 5-6; 0.88-0.94x either way at 17-64 rows).
+PACKED_MAX_ROWS = 4
+# A model whose projections and LM head take at most this much keeps both layouts (every product
+# at the faster kernel, the weights held twice); a larger one keeps the packed layout only.
+BOTH_LAYOUTS_MAX_BYTES = 4 << 30
 
 
 def _prepacked(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ``[N, K]`` in oneDNN's blocked layout for the CPU (an opaque mkldnn tensor)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PREPACK_ROWS_HINT)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[N, K]`` (float32 or bfloat16) in packed_linear's layout
+    ``[N / 4, K / E, 4, E]``, E = 64 bytes' worth of elements (include/pagedspec/packed_linear.h).
+    N must be a multiple of 16 and K of E."""
+    n, k = weight.shape
+    e = 64 // weight.element_size()
+    if weight.dtype not in (torch.float32, torch.bfloat16) or n % 16 or k % e:
+        raise ValueError(f"pack_linear_weight: weight must be float32 or bfloat16 [N, K] with N a "
+                         f"multiple of 16 and K of {e}, got {weight.dtype} {list(weight.shape)}")
+    return weight.contiguous().view(n // 4, 4, k // e, e).transpose(1, 2).contiguous()
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.shape[0] % 16 == 0 and weight.shape[1] % (64 // weight.element_size()) == 0
+
+
+def _is_prepacked(weight) -> bool:
+    return isinstance(weight, PackedWeight) or weight.is_mkldnn
+
+
+def _cpu_weight_packer(dtype: torch.dtype, nbytes: int) -> Optional[Callable]:
+    """How :meth:`LlamaForCausalLM.prepack_weights` lays a CPU weight out: packed_linear's layout
+    where its kernel runs at the avx512 level (the level it was measured fastest at), with
+    oneDNN's beside it for larger products while the model is small enough
+    (:data:`BOTH_LAYOUTS_MAX_BYTES`); oneDNN's alone elsewhere (float32, or bfloat16 where oneDNN
+    computes it); None: plain weights."""
+    from pagedspec import _C
+
+    onednn = torch.backends.mkldnn.is_available() and (
+        dtype == torch.float32
+        or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    if dtype in (torch.float32, torch.bfloat16) and _C.cpu_isa() == "avx512":
+        both = onednn and nbytes <= BOTH_LAYOUTS_MAX_BYTES
+
+        def pack(w: torch.Tensor):
+            if not _packable(w):
+                return _prepacked(w) if onednn else w
+            return PackedWeight(pack_linear_weight(w), _prepacked(w) if both else None)
+        return pack
+    return _prepacked if onednn else None
 
 
 def _rope_parameters(cfg: Mapping, source: str) -> tuple[float, Optional[dict]]:
@@ -347,29 +416,32 @@ class LlamaForCausalLM:
         ``[N]``, column j for token ``token_ids[j]``) and ``vocab_size`` is N: a draft model's
         reduced vocabulary, whose LM head costs N / V of the full one. Before
         :meth:`prepack_weights`."""
-        if self.lm_head.is_mkldnn:
+        if _is_prepacked(self.lm_head):
             raise RuntimeError("LlamaForCausalLM.restrict_vocab: call it before prepack_weights")
         self.lm_head = self.lm_head[token_ids.to(self.device)].contiguous()
         self.vocab_size = token_ids.numel()
 
     def prepack_weights(self) -> bool:
-        """Re-lays the projection and LM head matrices out for oneDNN's CPU GEMM, where that is
-        faster (float32 on a CPU with oneDNN; bfloat16 where oneDNN computes it, AVX-512 and
-        up); returns whether it did. Small-M products, a verification's 2-9 rows per sequence
-        above all, then cost far less than ``F.linear``'s, which re-packs the whole matrix on
-        every call (measured in PERFORMANCE.md); a compiled forward calls them through an
-        opaque op. The results differ from ``F.linear``'s by the rounding
-        of the float32 accumulation only."""
-        supported = self.dtype == torch.float32 or (
-            self.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        if (self.device.type != "cpu" or not supported
-                or not torch.backends.mkldnn.is_available() or self.lm_head.is_mkldnn):
+        """Re-lays the projection and LM head matrices out for the CPU's products, where that is
+        faster (:func:`_cpu_weight_packer`); returns whether it did. Products of a few rows, a
+        decode step's or a verification's, then stream the weights at up to twice oneDNN's rate
+        on its own layout, and oneDNN's on its layout costs far less than ``F.linear``'s, which
+        re-packs the whole matrix on every call (PERFORMANCE.md); a compiled forward calls them
+        through opaque ops. The results differ from ``F.linear``'s by the rounding of the
+        float32 accumulation only."""
+        if self.device.type != "cpu" or _is_prepacked(self.lm_head):
             return False
-        pack = _prepacked
+        nbytes = sum(t.numel() * t.element_size() for w in self.layers
+                     for t in (w.qkv, w.o, w.gate_up, w.down))
+        nbytes += self.lm_head.numel() * self.lm_head.element_size()
+        pack = _cpu_weight_packer(self.dtype, nbytes)
+        if pack is None:
+            return False
         self.layers = [dataclasses.replace(w, qkv=pack(w.qkv), o=pack(w.o),
                                            gate_up=pack(w.gate_up), down=pack(w.down))
                        for w in self.layers]
         self.lm_head = pack(self.lm_head)
+        self._pack = pack
         return True
 
     def loaded_weight(self, name: str) -> torch.Tensor:
@@ -420,5 +492,5 @@ class EagleDraft(LlamaForCausalLM):
     def prepack_weights(self) -> bool:
         packed = super().prepack_weights()
         if packed:
-            self.fc = _prepacked(self.fc)
+            self.fc = self._pack(self.fc)
         return packed
