@@ -54,10 +54,11 @@ class CostCurve:
     linear extrapolation above (the slope of the last two buckets; proportional to the size
     while only one is measured), constant below."""
 
-    # Small sizes are not smooth: oneDNN's products on prepacked weights stream them slower for
-    # 1-2 rows than for 3-4, so on SmolLM2 (float32, Zen 4) a target step verifying 3 tokens
-    # cost 28-29 ms, one of 1 or 2 tokens 35-37 ms. In one power-of-two bucket, 2 and 3 looked
-    # alike and the controller kept k = 1 (1.30x) where k = 2 gave 1.65x.
+    # Small sizes are not smooth: the products' kernels change with the rows (packed_linear up
+    # to 4, oneDNN above), and before packed_linear oneDNN streamed 1-2 rows slower than 3-4, so
+    # on SmolLM2 (float32, Zen 4) a target step verifying 3 tokens cost 28-29 ms, one of 1 or 2
+    # tokens 35-37 ms. In one power-of-two bucket, 2 and 3 looked alike and the controller kept
+    # k = 1 (1.30x) where k = 2 gave 1.65x.
     EXACT_SIZES = 32
 
     def __init__(self, decay: float = 0.8):
