@@ -6,8 +6,9 @@
 // sequential stream per thread: each thread takes whole tasks of 16 weight rows (four packed
 // blocks), and a tile of up to kTileRows input rows against one block keeps M x 4 accumulators in
 // registers, each the partial dot products of one (input row, weight row) pair along K, reduced
-// across lanes once at the end; further tiles of input rows reread the block from L1. (Four
-// blocks read side by side, or one block in two passes, streamed 1.2-1.5x slower on Zen 4.)
+// across lanes once at the end; further tiles of input rows reread the task's blocks from the
+// cache. (Four blocks read side by side, or one block in two passes, streamed 1.2-2x slower on
+// Zen 4.)
 // Products: FMA on float32 (bf16 weights widened exactly), or at avx512 with
 // CpuConfig::bf16_dot the AVX512-BF16 dot product on bf16 pairs (exact products, float32 sums,
 // denormals flushed), which reads the input without widening it. The sums are float32 either

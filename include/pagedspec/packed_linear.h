@@ -4,10 +4,10 @@
 // A weight W [N, K] (out_features x in_features, as F.linear takes it) is stored as
 // [N / kPackedRows][K / E][kPackedRows][E], E = kPackedChunkBytes / sizeof(element): block b
 // holds rows 4 b .. 4 b + 3, chunk c of a block their elements E c .. E c + E - 1, one 64-byte
-// cache line per row. A product reads 1-4 consecutive blocks at once (as many rows as its
-// registers hold accumulators for), each block's lines in address order: a few sequential
-// streams, where F.linear's row-major rows read 16 at a time are 16 strided ones and oneDNN's
-// layouts are made for larger products (PERFORMANCE.md).
+// cache line per row. A product reads one block at a time, its lines in address order: one
+// sequential stream per thread, where F.linear's row-major rows read 16 at a time are 16 strided
+// ones and oneDNN's layouts are made for larger products (bench/log/
+// 2026-12-07-packed-linear-zen4.md).
 #pragma once
 
 #include <cstdint>
@@ -20,12 +20,6 @@ constexpr int kPackedChunkBytes = 64;  // one cache line per row and chunk (K: a
 
 // Elements of a chunk: 32 bf16 or 16 float32.
 constexpr int packed_chunk_elems(int element_bytes) { return kPackedChunkBytes / element_bytes; }
-
-// Offset of W[n, k] in the packed layout, in elements.
-inline int64_t packed_offset(int64_t n, int64_t k, int64_t K, int element_bytes) {
-  const int64_t e = packed_chunk_elems(element_bytes);
-  return ((n / kPackedRows) * (K / e) + k / e) * (kPackedRows * e) + (n % kPackedRows) * e + k % e;
-}
 
 enum class PackedLinearDtype { kFloat32, kBFloat16 };
 

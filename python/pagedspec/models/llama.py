@@ -357,6 +357,7 @@ class LlamaForCausalLM:
         emb = torch.cat((angles, angles), dim=-1)
         self._cos = emb.cos().to(self.device, dtype)           # [max_position, D]
         self._sin = emb.sin().to(self.device, dtype)
+        self._packer: Optional[Callable] = None   # how prepack_weights laid the weights out
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
@@ -441,7 +442,7 @@ class LlamaForCausalLM:
                                            gate_up=pack(w.gate_up), down=pack(w.down))
                        for w in self.layers]
         self.lm_head = pack(self.lm_head)
-        self._pack = pack
+        self._packer = pack
         return True
 
     def loaded_weight(self, name: str) -> torch.Tensor:
@@ -492,5 +493,5 @@ class EagleDraft(LlamaForCausalLM):
     def prepack_weights(self) -> bool:
         packed = super().prepack_weights()
         if packed:
-            self.fc = self._pack(self.fc)
+            self.fc = self._packer(self.fc)
         return packed
