@@ -22,6 +22,9 @@ from pagedspec.engine.speculative import DraftModelProposer, DraftRequest, Ngram
 # A draft cache lacking at most this many of a sequence's tokens counts as current (a learning
 # step may then draft for a quarter of the batch, at a few tokens of catch-up each).
 CURRENT_DRAFT_TOKENS = 8
+# Tokens a sequence's first drafting pass feeds when its draft cache was current after the last
+# step: the corrected or bonus token and the last accepted draft. More is catching up.
+REGULAR_FIRST_PASS_TOKENS = 2
 
 # seq id -> (its sampling row, its generator, tokens evicted from its block table)
 SeqLookup = Callable[[int], tuple[SamplingRow, torch.Generator, int]]
@@ -109,7 +112,7 @@ class Speculator:
         if model is not None:
             for s in decoding:
                 computed = model.computed_tokens(s.seq_id)
-                lacking = max(len(s.token_ids) - computed - 2, 0)
+                lacking = max(len(s.token_ids) - computed - REGULAR_FIRST_PASS_TOKENS, 0)
                 if computed:
                     paused += lacking
                 else:
@@ -157,10 +160,10 @@ class Speculator:
         if tokens > seqs:
             self.stats.catch_up_tokens += tokens - seqs
             self.stats.catch_up_seconds += seconds
-        if tokens > 2 * seqs:
+        if tokens > REGULAR_FIRST_PASS_TOKENS * seqs:
             self.controller.observe_catch_up(seqs, tokens, seconds + extra)
         for num_seqs, num_tokens, seconds in passes:
-            if num_tokens <= 2 * num_seqs:
+            if num_tokens <= REGULAR_FIRST_PASS_TOKENS * num_seqs:
                 self.controller.observe_draft(num_seqs, seconds + extra)
         return draft_probs
 

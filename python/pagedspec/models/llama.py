@@ -204,13 +204,15 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     N must be a multiple of 16 and K of E."""
     n, k = weight.shape
     e = 64 // weight.element_size()
-    if weight.dtype not in (torch.float32, torch.bfloat16) or n % 16 or k % e:
+    if weight.dtype not in (torch.float32, torch.bfloat16) or not _packable(weight):
         raise ValueError(f"pack_linear_weight: weight must be float32 or bfloat16 [N, K] with N a "
                          f"multiple of 16 and K of {e}, got {weight.dtype} {list(weight.shape)}")
     return weight.contiguous().view(n // 4, 4, k // e, e).transpose(1, 2).contiguous()
 
 
 def _packable(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` ``[N, K]`` has the packed layout's shape: N a multiple of 16 (a kernel
+    task's rows), K of the 64 bytes' worth of elements in a chunk."""
     return weight.shape[0] % 16 == 0 and weight.shape[1] % (64 // weight.element_size()) == 0
 
 
