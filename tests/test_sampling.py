@@ -842,3 +842,32 @@ def test_cuda_vocabulary_limit_follows_the_device_shared_memory(one_hot_draft, g
             with pytest.raises(RuntimeError, match=r"rejection_sample: target_probs.size\(2\) "
                                                    r"\(vocabulary size\) must be at most \d+ on this GPU"):
                 ops.rejection_sample(*args)
+
+
+# ---- the engine's greedy argmax ----------------------------------------------------------------
+@pytest.mark.parametrize("vocab", [100, 4096, 4097, 49152, 50001])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_row_argmax_is_torch_argmax(vocab, rows):
+    """Same indices as ``torch.argmax`` (the first maximum), whatever the width (chunks of
+    1024 and a short last one), with ties across and inside chunks, NaN and all -inf rows."""
+    from pagedspec.engine.sampler import ARGMAX_CHUNK, row_argmax
+
+    g = torch.Generator().manual_seed(rows * 100003 + vocab)
+    x = torch.randn(rows, vocab, generator=g)
+    # Round to a coarse grid: many rows hold their maximum more than once, often in
+    # different chunks.
+    x = (x * 2).round() / 2
+    if rows > 1:
+        x[0] = float("-inf")
+    if rows > 2:
+        x[1, vocab // 2] = float("nan")
+        x[1, vocab - 1] = float("nan")
+    if rows > 3:
+        x[2, :] = 0.0
+        x[2, vocab - 1] = 1.0                  # the maximum in the last (short) chunk
+    if rows > 4 and vocab > ARGMAX_CHUNK + 3:
+        x[3, :] = -1.0
+        x[3, ARGMAX_CHUNK + 3] = x[3, vocab - 1] = 5.0     # a tie: the first wins
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert torch.equal(row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+

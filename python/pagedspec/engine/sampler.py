@@ -60,11 +60,36 @@ def processed_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     return probs
 
 
+# Columns per chunk of :func:`row_argmax`'s first pass.
+ARGMAX_CHUNK = 1024
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of a float ``[B, V]`` tensor, the same indices (the first
+    maximum; the first NaN where a row has one), in two passes on the CPU: each chunk of
+    :data:`ARGMAX_CHUNK` columns' maximum, then the argmax inside the first chunk holding the
+    row's. PyTorch's CPU argmax does not vectorize over the last dimension: on SmolLM2's 49152
+    tokens at batch 64 it took 2.0 ms (Zen 4, 2 threads), the max of the chunks 0.09 ms."""
+    B, V = logits.shape
+    C = ARGMAX_CHUNK
+    if logits.device.type != "cpu" or V < 4 * C or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    full = V // C * C
+    chunk_max = logits[:, :full].view(B, V // C, C).amax(dim=-1)
+    if full < V:
+        chunk_max = torch.cat([chunk_max, logits[:, full:].amax(dim=-1, keepdim=True)], dim=1)
+    # A short last chunk reads its own columns, then the last column again: never earlier.
+    columns = (chunk_max.argmax(dim=-1, keepdim=True) * C
+               + torch.arange(C, device=logits.device)).clamp_(max=V - 1)
+    inside = logits.gather(1, columns).argmax(dim=-1, keepdim=True)
+    return columns.gather(1, inside)[:, 0]
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
            generators: Sequence[Optional[torch.Generator]]) -> list[int]:
     """One token per row of float32 ``logits`` ``[B, V]``; row i draws from ``generators[i]``
     (which must live on the logits' device) exactly once if it samples, never if greedy."""
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = row_argmax(logits).tolist()
     sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
     if sampled:
         probs = processed_probs(logits[sampled], [rows[i] for i in sampled])

@@ -35,7 +35,7 @@ from pagedspec.engine.block_manager import BlockOps
 from pagedspec.engine.kv_cache import KVCache
 from pagedspec.engine.model import CausalLM
 from pagedspec.engine.runner import ModelRunner
-from pagedspec.engine.sampler import SamplingRow, processed_probs
+from pagedspec.engine.sampler import SamplingRow, processed_probs, row_argmax
 from pagedspec.engine.scheduler import StepBatch
 
 class NgramProposer:
@@ -198,7 +198,7 @@ class DraftModelProposer:
             logits = self.runner.execute(             # [n, N] on a reduced vocabulary
                 step, features=torch.cat(features) if features else None)
             self._after_pass(active, step)
-            choice = logits.argmax(dim=-1)
+            choice = row_argmax(logits)
             sampled = [a for a, i in enumerate(active) if requests[i].row.temperature > 0]
             if sampled:
                 dist = draft_distribution(logits[sampled],
@@ -381,7 +381,8 @@ def verify_drafts(items: Seq[Verification]) -> list[list[int]]:
         # Rows past a request's k_b repeat its last row; the ops never read them.
         target = torch.stack([_pad_rows(items[i].logits, k + 1) for i in group])
         if is_greedy:
-            tokens, accepted = ops.greedy_verify(drafts.to(dev), target.argmax(-1),
+            tokens, accepted = ops.greedy_verify(drafts.to(dev), row_argmax(
+                target.view(-1, target.shape[-1])).view(target.shape[:2]),
                                                  ks.to(dev))
         else:
             rows = [items[i].row for i in group]
