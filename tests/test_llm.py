@@ -181,6 +181,34 @@ def test_sampler_follows_processed_distribution(gen, row):
         assert chi_square_p(counts, plain) < 1e-6, "the test cannot tell processing apart"
 
 
+def test_draw_takes_one_uniform_per_row_and_never_a_zero_probability_token(monkeypatch):
+    """Row i's token is the inverse CDF at the one uniform its generator gives next (so a
+    request's tokens do not depend on its neighbours), and a token of probability 0 is never
+    drawn, whatever the uniform (0 and just under 1 included)."""
+    from pagedspec.engine.sampler import draw
+
+    V = 5000
+    probs = torch.zeros(4, V)
+    probs[0, [3, 4000]] = torch.tensor([0.25, 0.75])
+    probs[1, V - 2] = 1.0                      # the last token has probability 0
+    probs[2] = torch.rand(V)
+    probs[3, 0] = 1.0
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2, 3, 4)]
+    twins = [torch.Generator().manual_seed(s) for s in (1, 2, 3, 4)]
+    tokens = draw(probs, gens).tolist()
+    for i, (g, twin) in enumerate(zip(gens, twins)):
+        u = float(torch.rand(1, generator=twin))
+        cdf = probs[i].double().cumsum(0)
+        assert tokens[i] == int((cdf > u * cdf[-1]).nonzero()[0])
+        assert torch.equal(g.get_state(), twin.get_state())      # exactly one uniform taken
+    rand = torch.rand
+    for u in (0.0, 1.0 - 2**-24):
+        monkeypatch.setattr(torch, "rand", lambda *a, u=u, **k: torch.full((1,), u))
+        picked = draw(probs[:2], gens[:2]).tolist()
+        monkeypatch.setattr(torch, "rand", rand)
+        assert picked == [3 if u == 0 else 4000, V - 2]
+
+
 def test_llm_samples_the_processed_distribution_at_one_step(dirs):
     """Through the whole API: 3000 one-token completions of one prompt (n=3000 forks) against the
     processed distribution of transformers' logits for that prompt."""

@@ -2,7 +2,8 @@
 its own random generator, so a request's tokens do not depend on what else is in the batch.
 
 Processing order (as ``transformers``' logits warpers): temperature, top-k, top-p, min-p; then
-one categorical draw per row from the renormalized distribution, from that row's generator.
+one categorical draw per row from the renormalized distribution, by inverse CDF with one uniform
+from that row's generator.
 Temperature 0 means greedy (argmax of the raw logits; the other settings are ignored).
 Logprobs, when asked for, are those of the raw model distribution (``log_softmax`` of the logits
 before any processing), as vLLM reports by default.
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+
+from pagedspec import ops
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,21 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     return columns.gather(1, inside)[:, 0]
 
 
+def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """One token per row of float32 ``probs`` ``[B, V]`` (int64 ``[B]``), row i by inverse CDF
+    with one uniform from ``generators[i]`` (on the probabilities' device): the contract's
+    inverse CDF, through :func:`pagedspec.ops.rejection_sample` with no drafts, never a
+    zero-probability token. ``torch.multinomial`` per row cost 1.1-1.3 ms a row of SmolLM2's
+    49152 tokens (Zen 4, 2 threads): 74 ms of a batch-64 step that samples."""
+    B = probs.shape[0]
+    dev = probs.device
+    uniforms = torch.cat([torch.rand(1, generator=g, device=dev) for g in generators]).view(B, 1)
+    no_drafts = torch.empty(B, 0, dtype=torch.int64, device=dev)
+    tokens, _ = ops.rejection_sample(no_drafts, None, probs[:, None, :].contiguous(),
+                                     uniforms.new_empty(B, 0), uniforms)
+    return tokens[:, 0]
+
+
 def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
            generators: Sequence[Optional[torch.Generator]]) -> list[int]:
     """One token per row of float32 ``logits`` ``[B, V]``; row i draws from ``generators[i]``
@@ -94,8 +112,9 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
     sampled = [i for i, r in enumerate(rows) if r.temperature > 0]
     if sampled:
         probs = processed_probs(logits[sampled], [rows[i] for i in sampled])
-        for j, i in enumerate(sampled):
-            tokens[i] = int(torch.multinomial(probs[j], 1, generator=generators[i]))
+        drawn = draw(probs, [generators[i] for i in sampled]).tolist()
+        for i, t in zip(sampled, drawn):
+            tokens[i] = t
     return tokens
 
 

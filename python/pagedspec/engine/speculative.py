@@ -35,7 +35,7 @@ from pagedspec.engine.block_manager import BlockOps
 from pagedspec.engine.kv_cache import KVCache
 from pagedspec.engine.model import CausalLM
 from pagedspec.engine.runner import ModelRunner
-from pagedspec.engine.sampler import SamplingRow, processed_probs, row_argmax
+from pagedspec.engine.sampler import SamplingRow, draw, processed_probs, row_argmax
 from pagedspec.engine.scheduler import StepBatch
 
 class NgramProposer:
@@ -203,9 +203,7 @@ class DraftModelProposer:
             if sampled:
                 dist = draft_distribution(logits[sampled],
                                           [requests[active[a]].row for a in sampled])
-                for b, a in enumerate(sampled):
-                    r = requests[active[a]]
-                    choice[a] = torch.multinomial(dist[b], 1, generator=r.generator)[0]
+                choice[sampled] = draw(dist, [requests[active[a]].generator for a in sampled])
                 dist = self._full_vocab(dist)
                 for b, a in enumerate(sampled):
                     probs[active[a]].append(dist[b])
