@@ -27,3 +27,12 @@ def test_step_profile_splits_the_step(tmp_path):
         assert 0.8 * r["step_ms"] <= sum(phases.values()) <= 1.01 * r["step_ms"]
         assert (phases["drafting"] > 0) == r["mode"].startswith("spec")
     assert "outside GEMM+attn" in (tmp_path / "step_profile.md").read_text()
+
+
+def test_step_profile_times_sampled_steps(tmp_path):
+    """--temperature: the requests sample, and the mode says so."""
+    assert step_profile.main(["--quick", "--threads", "1", "--steps", "3", "--batch", "2",
+                              "--temperature", "0.7", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "step_profile.json").read_text())["rows"]
+    assert [r["mode"].split(",")[-1].strip() for r in rows] == ["T=0.7", "T=0.7"]
+    assert all(r["phases_ms"]["sample_verify"] > 0 for r in rows)

@@ -112,9 +112,10 @@ def _op_seconds(llm, steps: int) -> tuple[float, float, float]:
 _TARGET_RANGE = "pagedspec.step_profile.target_forward"
 
 
-def profile_case(llm, prompts: list[list[int]], steps: int) -> dict:
+def profile_case(llm, prompts: list[list[int]], steps: int, temperature: float = 0.0) -> dict:
     """Adds the prompts, steps through their prefill, then times ``steps`` decode steps by
-    phase and profiles as many again; per-step seconds by phase."""
+    phase and profiles as many again; per-step seconds by phase. ``temperature`` > 0: the
+    requests sample (seeded), so sampling and rejection sampling are what is timed."""
     from pagedspec import SamplingParams
     from pagedspec.engine.core import PhaseClock, _NoClock
 
@@ -123,9 +124,10 @@ def profile_case(llm, prompts: list[list[int]], steps: int) -> dict:
     k = config.num_speculative_tokens if config.speculative_model is not None else 0
     # Room for every step to emit k + 1 tokens through both windows: a sequence that finished
     # inside them would leave steps with less (or nothing) to do.
-    params = SamplingParams(temperature=0, max_tokens=(2 * steps + 8) * (k + 1) + 16,
-                            ignore_eos=True)
     for i, prompt in enumerate(prompts):
+        params = SamplingParams(temperature=temperature,
+                                max_tokens=(2 * steps + 8) * (k + 1) + 16, ignore_eos=True,
+                                seed=i if temperature > 0 else None)
         engine.add_request(f"p{i}", prompt, params)
     sched = engine.core.scheduler
     for _ in range(10_000):        # prefill (chunked) until every sequence decodes
@@ -197,6 +199,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=None, help="(128)")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step (fixed)")
     ap.add_argument("--modes", default="plain,spec")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of the requests (0: greedy)")
     ap.add_argument("--quick", action="store_true",
                     help="demo pair; defaults batch 1,4, 4 steps, 32-token prompts")
     ap.add_argument("--compile", action="store_true",
@@ -229,8 +233,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             prompts = grounded_prompts(llm.tokenizer, llm.engine.vocab_size, batch,
                                        args.prompt_len)
             name = mode if mode == "plain" else f"{mode} ({draft}, k={args.k})"
+            name += f", T={args.temperature:g}" if args.temperature > 0 else ""
             row = {"model": model, "mode": name + (", compiled" if args.compile else ""),
-                   "batch": batch, **profile_case(llm, prompts, args.steps)}
+                   "batch": batch, **profile_case(llm, prompts, args.steps, args.temperature)}
             rows.append(row)
             print(f"{model} {row['mode']} batch {batch}: {row['step_ms']:.2f} ms/step, "
                   f"outside GEMM+attention {row['outside_share']:.0%}", flush=True)
