@@ -847,9 +847,10 @@ def test_cuda_vocabulary_limit_follows_the_device_shared_memory(one_hot_draft, g
 # ---- the engine's greedy argmax ----------------------------------------------------------------
 @pytest.mark.parametrize("vocab", [100, 4096, 4097, 49152, 50001])
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_row_argmax_is_torch_argmax(vocab, rows):
+def test_row_argmax_is_torch_argmax(vocab, rows, monkeypatch):
     """Same indices as ``torch.argmax`` (the first maximum), whatever the width (chunks of
     1024 and a short last one), with ties across and inside chunks, NaN and all -inf rows."""
+    from pagedspec.engine import sampler
     from pagedspec.engine.sampler import ARGMAX_CHUNK, row_argmax
 
     g = torch.Generator().manual_seed(rows * 100003 + vocab)
@@ -870,4 +871,6 @@ def test_row_argmax_is_torch_argmax(vocab, rows):
         x[3, ARGMAX_CHUNK + 3] = x[3, vocab - 1] = 5.0     # a tie: the first wins
     assert torch.equal(row_argmax(x), x.argmax(dim=-1))
     assert torch.equal(row_argmax(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+    monkeypatch.setattr(sampler, "ARGMAX_SMALL", 0)          # the two passes at every size
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
 

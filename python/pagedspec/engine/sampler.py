@@ -63,20 +63,24 @@ def processed_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     return probs
 
 
-# Columns per chunk of :func:`row_argmax`'s first pass.
+# Columns per chunk of :func:`row_argmax`'s first pass, and the entries under which it leaves
+# the argmax to PyTorch.
 ARGMAX_CHUNK = 1024
+ARGMAX_SMALL = 1 << 18
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of a float ``[B, V]`` tensor, the same indices (the first
     maximum; the first NaN where a row has one), in two passes on the CPU: each chunk of
     :data:`ARGMAX_CHUNK` columns' maximum, then the argmax inside the first chunk holding the
-    row's. PyTorch's CPU argmax over the last dimension of several rows is slow: on SmolLM2's
-    49152 tokens at batch 64 it took 2.0 ms (Zen 4, 2 threads), the max of the chunks 0.09 ms.
-    A single row it reduces fast, faster than the two passes' few ops."""
+    row's. PyTorch's CPU argmax over the last dimension does not vectorize (~0.7 ns an entry):
+    on SmolLM2's 49152 tokens at batch 64 it took 2.1 ms (Zen 4, 2 threads), these two passes
+    0.3 ms. Their few ops cost ~50 us however small the input, so under
+    :data:`ARGMAX_SMALL` entries PyTorch's argmax is the faster."""
     B, V = logits.shape
     C = ARGMAX_CHUNK
-    if logits.device.type != "cpu" or B == 1 or V < 4 * C or not logits.is_contiguous():
+    if (logits.device.type != "cpu" or B * V < ARGMAX_SMALL or V < 4 * C
+            or not logits.is_contiguous()):
         return logits.argmax(dim=-1)
     full = V // C * C
     chunk_max = logits[:, :full].view(B, V // C, C).amax(dim=-1)
