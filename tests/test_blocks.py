@@ -367,10 +367,6 @@ def _smaps_kib(address, field="AnonHugePages"):
     return 0
 
 
-def _anon_huge_kib(address):
-    return _smaps_kib(address)
-
-
 def _thp_mode():
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
@@ -401,8 +397,8 @@ def test_cpu_caches_on_huge_pages_read_as_plain_ones(dtype):
     kv.key_caches[1].copy_(plain_k)
     kv.value_caches[1].copy_(plain_v)
     if sys.platform.startswith("linux") and _thp_mode() in ("always", "madvise"):
-        assert _anon_huge_kib(kv.key_caches[1].data_ptr()) > 0
-        assert _anon_huge_kib(kv.value_caches[1].data_ptr()) > 0
+        assert _smaps_kib(kv.key_caches[1].data_ptr()) > 0
+        assert _smaps_kib(kv.value_caches[1].data_ptr()) > 0
     tables = torch.randperm(blocks, dtype=torch.int32)[:64].view(2, 32)
     seq_lens = torch.tensor([500, 77], dtype=torch.int32)
     query = torch.randn(2, 4 * heads, head, dtype=torch.bfloat16)
