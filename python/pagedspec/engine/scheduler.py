@@ -58,6 +58,14 @@ class SchedulerConfig:
     watermark: float = 0.01                # fraction of blocks admission leaves free
 
 
+def slot_mapping(block_tables: np.ndarray, table_rows: np.ndarray, cache_positions: np.ndarray,
+                 block_size: int) -> np.ndarray:
+    """Each token's KV slot (int64): the block that row ``table_rows[t]`` of ``block_tables``
+    holds at ``cache_positions[t]``, times ``block_size``, plus the offset inside it."""
+    blocks = block_tables[table_rows, cache_positions // block_size].astype(np.int64)
+    return blocks * block_size + cache_positions % block_size
+
+
 @dataclass
 class StepBatch:
     """One step for the model runner. Token rows are grouped by sequence, in ``seqs`` order."""
@@ -249,8 +257,7 @@ class Scheduler:
         # block wide (sizes of 1 are specialized); the kernels never read past a length.
         width = max(2, int(-(-cache_lens.max() // bs))) if n else 0
         block_tables = bm.table_matrix[rows, :width]
-        slot_mapping = (block_tables[np.repeat(np.arange(n), q_lens), cache_positions // bs]
-                        .astype(np.int64) * bs + cache_positions % bs)
+        slots = slot_mapping(block_tables, np.repeat(np.arange(n), q_lens), cache_positions, bs)
         drafts = np.maximum(seq_lens - ends, 0)
         num_logits = (seq_lens >= ends) * (1 + drafts)
         first = np.repeat(cu[1:] - num_logits, num_logits)
@@ -261,7 +268,7 @@ class Scheduler:
         return StepBatch(
             seqs=seqs, num_scheduled_tokens=q_lens.tolist(), num_draft_tokens=drafts.tolist(),
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=t(positions, torch.int64), slot_mapping=t(slot_mapping, torch.int64),
+            positions=t(positions, torch.int64), slot_mapping=t(slots, torch.int64),
             block_tables=t(block_tables, torch.int32), seq_lens=t(cache_lens, torch.int32),
             cu_seqlens_q=t(cu, torch.int32), max_q_len=int(q_lens.max()) if n else 0,
             logits_indices=t(logits_indices, torch.int64), block_ops=block_ops,

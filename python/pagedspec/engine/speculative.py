@@ -37,7 +37,7 @@ from pagedspec.engine.kv_cache import KVCache
 from pagedspec.engine.model import CausalLM
 from pagedspec.engine.runner import ModelRunner
 from pagedspec.engine.sampler import SamplingRow, draw, processed_probs, row_argmax
-from pagedspec.engine.scheduler import StepBatch
+from pagedspec.engine.scheduler import StepBatch, slot_mapping
 
 class NgramProposer:
     """Prompt lookup: find the latest earlier occurrence of the trailing n-gram (longest n
@@ -184,15 +184,14 @@ class DraftModelProposer:
             np.cumsum(q, out=cu[1:])
             pos = np.array(positions, np.int64)
             cache_pos = pos - np.repeat(evicted, q)              # the cache's positions
-            slots = (host_tables[np.repeat(owners, q), cache_pos // bs].astype(np.int64) * bs
-                     + cache_pos % bs)
-            slot_mapping = torch.from_numpy(slots)
+            slots = slot_mapping(host_tables, np.repeat(owners, q), cache_pos, bs)
+            written = torch.from_numpy(slots)              # the slots this pass writes
             if j == 0 and np.unique(slots).size < slots.size:
-                slot_mapping = _first_writer_only(slot_mapping)
+                written = _first_writer_only(written)
             step = StepBatch(
                 seqs=[], num_scheduled_tokens=q_lens, num_draft_tokens=[0] * len(active),
                 input_ids=torch.tensor(input_ids, dtype=torch.int64),
-                positions=torch.from_numpy(pos), slot_mapping=slot_mapping,
+                positions=torch.from_numpy(pos), slot_mapping=written,
                 block_tables=tables[torch.from_numpy(owners).to(tables.device)],
                 seq_lens=torch.from_numpy((cache_pos[cu[1:] - 1] + 1).astype(np.int32)),
                 cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)), max_q_len=int(q.max()),
