@@ -186,6 +186,37 @@ def smoke(script, tmp_path_factory):
     return target, out
 
 
+@pytest.mark.parametrize("passes", [2, 3])
+def test_unrolled_passes_compute_what_the_engines_later_drafts_see(script, passes):
+    """Pass p's row j (training-time test) equals the head run causally over what the engine's
+    draft p at row j reads: the target's features up to row j - p + 1, then at each later row
+    the previous pass's output of the row before it. A wrong mask or shift changes rows."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                         num_key_value_heads=2, num_hidden_layers=1, vocab_size=320)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    head = script.make_head(config, torch.rand(64) + 0.5)
+    with torch.no_grad():
+        head.fc.weight.normal_(0.0, 0.2)          # lean on the feature half as well
+    B, T = 2, 7
+    embeds, features = torch.randn(B, T, 64), torch.randn(B, T, 64)
+    positions = torch.arange(T).expand(B, -1)
+    with torch.no_grad():
+        outs = head.unrolled(embeds, features, positions, passes)
+        assert len(outs) == passes
+        torch.testing.assert_close(outs[0], head(embeds, features, positions))
+        for p in range(2, passes + 1):
+            for j in range(p - 1, T):
+                fed = features[:, :j + 1].clone()
+                for q in range(2, p + 1):         # draft q sits at row j - (p - q)
+                    row = j - (p - q)
+                    fed[:, row] = outs[q - 2][:, row - 1]
+                want = head(embeds[:, :j + 1], fed, positions[:, :j + 1])[:, j]
+                torch.testing.assert_close(outs[p - 1][:, j], want, atol=1e-5, rtol=1e-5)
+
+
 def test_smoke_run_writes_a_loadable_head(smoke):
     target, out = smoke
     config = json.loads((out / "config.json").read_text())

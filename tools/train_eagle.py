@@ -27,7 +27,11 @@ Recipe (seeded; about 60 minutes on a 2-core CPU with the defaults):
    hidden size) + ``--cls-weight`` x KL(target || draft) of the next-next token over the draft
    vocabulary (the target's distribution from ``f_{i+1}`` through the same head), on every
    position; the input features get uniform noise of ``--noise`` x their RMS (at inference
-   later drafts read the draft's own estimates). The decoder layer starts from transformers'
+   later drafts read the draft's own estimates). With ``--passes`` p > 1 the loss is the mean
+   over p unrolled draft passes (training-time test, as in EAGLE-3): pass p's rows read the
+   previous pass's outputs in place of the target's features and attend what the engine's
+   p-th draft would (:meth:`EagleHead.unrolled`), so later drafts are trained on the inputs
+   they get. The decoder layer starts from transformers'
    initialization, ``fc`` as the identity on the feature half, the norm as the target's final
    norm. AdamW, warmup then cosine, clipping 1.0, step count from ``--train-minutes``.
 4. Saved in bf16 (fc + 1 layer + norm); the embedding and tied LM head are borrowed from the
@@ -103,6 +107,39 @@ class EagleHead(torch.nn.Module):
         h = self.layer(h, position_ids=positions,
                        position_embeddings=self.rotary(h, positions))
         return self.norm(h)
+
+    def unrolled(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                 passes: int) -> list[torch.Tensor]:
+        """``passes`` outputs ``[B, T, H]``, each row as the engine's draft ``p`` would compute
+        it (training-time test, as in EAGLE-3). Pass 1 is :meth:`forward`. Pass ``p > 1``'s row
+        ``j`` reads the token at ``j + 1`` and, in place of the target's feature, pass
+        ``p - 1``'s output at row ``j - 1``; it attends what that draft's cache holds: pass 1's
+        rows up to ``j - p + 1`` (the rows the target's features fed), pass ``q``'s row
+        ``j - (p - q)`` for ``1 < q < p``, and itself. The passes run as one sequence of
+        ``passes * T`` rows under that mask, each pass's input built from the one before."""
+        outs = [self(embeds, features, positions)]
+        T = embeds.shape[1]
+        if passes == 1:
+            return outs
+        i = torch.arange(T)
+        inputs = [torch.cat([embeds, features], dim=-1)]
+        for p in range(2, passes + 1):
+            prev = outs[-1]
+            shifted = torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], dim=1)
+            inputs.append(torch.cat([embeds, shifted], dim=-1))
+            rows = []
+            for q in range(1, p + 1):       # query pass q's attention over every pass's keys
+                blocks = [i[None, :] <= (i[:, None] - q + 1)]      # pass 1's keys
+                blocks += [i[None, :] == i[:, None] - (q - r) if r <= q
+                           else torch.zeros(T, T, dtype=torch.bool) for r in range(2, p + 1)]
+                rows.append(torch.cat(blocks, dim=1))
+            mask = torch.cat(rows, dim=0)[None, None].expand(embeds.shape[0], 1, p * T, p * T)
+            pos = positions.repeat(1, p)
+            h = self.fc(torch.cat(inputs, dim=1))
+            h = self.layer(h, attention_mask=mask, position_ids=pos,
+                           position_embeddings=self.rotary(h, pos))
+            outs.append(self.norm(h)[:, (p - 1) * T:])
+        return outs
 
     def state_for_checkpoint(self) -> dict[str, torch.Tensor]:
         out = {FC: self.fc.weight, "model.norm.weight": self.norm.weight}
@@ -180,31 +217,43 @@ def collate(batch: Sequence[Sequenced], features: Sequence[torch.Tensor],
 
 
 def head_loss(head: EagleHead, vocab_head: torch.Tensor, batch: tuple[torch.Tensor, ...],
-              cls_weight: float, noise: float) -> tuple[torch.Tensor, dict]:
+              cls_weight: float, noise: float, passes: int = 1) -> tuple[torch.Tensor, dict]:
+    """The mean over ``passes`` (:meth:`EagleHead.unrolled`) of smooth L1 against the target's
+    next feature + ``cls_weight`` x KL(target || draft) of the next-next token; ``p<n>_top1``:
+    pass n's agreement with the target's argmax (pass n > 1 leaves out the rows without a row
+    before them)."""
     embeds, inputs, targets, mask = batch
     if noise:
         rms = inputs.pow(2).mean(-1, keepdim=True).sqrt()
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise * rms
     positions = torch.arange(inputs.shape[1]).expand(inputs.shape[0], -1)
-    g = head(embeds, inputs, positions)[mask]
-    want = targets[mask]
-    reg = F.smooth_l1_loss(g, want, reduction="none").mean(-1).mean()
-    log_q = F.log_softmax(g @ vocab_head.T, dim=-1)
-    log_p = F.log_softmax(want @ vocab_head.T, dim=-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
-    agree = (log_q.argmax(-1) == log_p.argmax(-1)).float().mean()
-    return reg + cls_weight * kl, {"reg": reg.item(), "kl": kl.item(), "top1": agree.item()}
+    total, parts = 0.0, {}
+    for p, g in enumerate(head.unrolled(embeds, inputs, positions, passes), start=1):
+        rows = mask.clone()
+        rows[:, :p - 1] = False
+        want, g = targets[rows], g[rows]
+        reg = F.smooth_l1_loss(g, want, reduction="none").mean(-1).mean()
+        log_q = F.log_softmax(g @ vocab_head.T, dim=-1)
+        log_p = F.log_softmax(want @ vocab_head.T, dim=-1)
+        kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+        total = total + (reg + cls_weight * kl) / passes
+        agree = (log_q.argmax(-1) == log_p.argmax(-1)).float().mean()
+        parts.update({f"p{p}_reg": reg.item(), f"p{p}_kl": kl.item(),
+                      f"p{p}_top1": agree.item()})
+    return total, parts
 
 
 @torch.no_grad()
 def validate(head: EagleHead, vocab_head, val, features, embedding, args) -> dict:
-    totals, n = {"reg": 0.0, "kl": 0.0, "top1": 0.0}, 0
+    """Validation figures of two passes whatever ``--passes`` trains (pass 2's agreement is the
+    second draft's, which a head trained on one pass has never been taught)."""
+    totals, n = {}, 0
     for i in range(0, len(val), 8):
         batch = collate(val[i:i + 8], features, embedding)
-        _, parts = head_loss(head, vocab_head, batch, args.cls_weight, 0.0)
+        _, parts = head_loss(head, vocab_head, batch, args.cls_weight, 0.0, passes=2)
         rows = int(batch[3].sum())
-        for key in totals:
-            totals[key] += parts[key] * rows
+        for key, value in parts.items():
+            totals[key] = totals.get(key, 0.0) + value * rows
         n += rows
     return {k: round(v / max(n, 1), 4) for k, v in totals.items()}
 
@@ -227,7 +276,8 @@ def train(head: EagleHead, vocab_head: torch.Tensor, examples, val, features, em
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, args.warmup_steps, args.lr)
             batch = collate(batch_examples, features, embedding)
-            loss, parts = head_loss(head, vocab_head, batch, args.cls_weight, args.noise)
+            loss, parts = head_loss(head, vocab_head, batch, args.cls_weight, args.noise,
+                                      args.passes)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -333,7 +383,8 @@ target in bf16 (`transformers`), {report['phase_seconds'].get('features', 0):.0f
 
 ## Training
 {t['steps']} steps, {t['epochs']} epochs, {t['seconds'] / 60:.1f} minutes; loss = smooth L1 on
-the feature + {report['settings']['cls_weight']} x KL on the next-next token, input noise
+the feature + {report['settings']['cls_weight']} x KL on the next-next token, averaged over
+{report['settings'].get('passes', 1)} unrolled draft pass(es) (training-time test), input noise
 {report['settings']['noise']} x RMS, lr {report['settings']['lr']}, seed {report['seed']}.
 Validation at the end: {last}.
 
@@ -344,8 +395,17 @@ Validation at the end: {last}.
 
 a_j: the share of drafts at position j accepted. Machine: {report['machine']}.
 
-Reproduce: `{report['command']}`
+Reproduce: `{report['command']}`{init_note(report)}
 """
+
+
+def init_note(report: dict) -> str:
+    """The recipe of the head a run started from (``--init-head``), which reproducing needs."""
+    init = report["settings"].get("init_head")
+    if not init:
+        return ""
+    command = report.get("init_command") or "(unknown)"
+    return f", starting from `{init}`, itself trained by `{command}`"
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -374,6 +434,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--cls-weight", type=float, default=0.2)
     p.add_argument("--noise", type=float, default=0.1)
+    p.add_argument("--init-head", type=Path, default=None,
+                   help="start from this saved head (e.g. one trained with --passes 1) "
+                        "instead of the identity-feature initialization")
+    p.add_argument("--passes", type=int, default=1,
+                   help="draft passes unrolled in training (training-time test; 1: EAGLE-1's "
+                        "teacher forcing only)")
     p.add_argument("--val-fraction", type=float, default=0.04)
     p.add_argument("--evals", type=int, default=6)
     p.add_argument("--eval-prompts", type=int, default=48)
@@ -417,6 +483,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from safetensors.torch import load_file
     final_norm = load_file(str(hf / "model.safetensors"))["model.norm.weight"].float()
     head = make_head(config, final_norm)
+    if args.init_head is not None:
+        head.load_checkpoint_state({n: t.float() for n, t in load_file(
+            str(args.init_head / "model.safetensors")).items()})
     result = train(head, vocab_head, train_set, val, features, embedding, args)
     phase("train")
     save_head(head, config, args.out, args.token_draft)
@@ -434,6 +503,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "machine": machine(),
         "command": shlex.join(["python", "tools/train_eagle.py", *argv]),
     }
+    if args.init_head is not None and (args.init_head / "training.json").exists():
+        report["init_command"] = json.loads((args.init_head / "training.json").read_text()
+                                            ).get("command")
     # Written before the evaluation too: should it fail, --evaluate-only reruns just that.
     write_report(args.out, report, model_card(report))
     report["acceptance"] = evaluate(args.target, args.out, args)
