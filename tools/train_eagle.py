@@ -394,9 +394,22 @@ Validation at the end: {last}.
 {rows}
 
 a_j: the share of drafts at position j accepted. Machine: {report['machine']}.
-
+{stage1_note(report)}
 Reproduce: `{report['command']}`{init_note(report)}
 """
+
+
+def stage1_note(report: dict) -> str:
+    """The acceptance of the head this run started from, measured the same way, if recorded."""
+    stage1 = report.get("stage1")
+    if not stage1:
+        return ""
+    rows = "; ".join(f"temperature {r['temperature']}: "
+                     + " ".join(f"{x:.2f}" for x in r["a"]) + f", mean accepted "
+                     f"{r['mean_accepted']:.2f}" for r in stage1.get("acceptance", []))
+    return (f"\nThe head this run started from ({stage1['training']['steps']} steps of one "
+            f"pass, {stage1['training']['seconds'] / 60:.0f} minutes; validation "
+            f"{stage1['val_end']}): {rows}.\n")
 
 
 def init_note(report: dict) -> str:
