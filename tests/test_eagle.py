@@ -232,6 +232,25 @@ def test_smoke_run_writes_a_loadable_head(smoke):
     assert "EAGLE" in (out / "README.md").read_text()
 
 
+def test_smoke_second_stage_continues_a_head_and_names_it(script, smoke, tmp_path):
+    """--init-head with --passes 2: the run starts from the saved head, and its report and card
+    carry the starting head's command and acceptance (reproducing needs both stages)."""
+    target, first = smoke
+    work = first.parent
+    out = tmp_path / "eagle-2"
+    assert script.main(["--smoke", "--target", str(target), "--token-draft",
+                        str(work / "token-draft"), "--generations",
+                        str(work / "generations.json"), "--out", str(out), "--work",
+                        str(work / "work"), "--init-head", str(first), "--passes", "2"]) == 0
+    report = json.loads((out / "training.json").read_text())
+    before = json.loads((first / "training.json").read_text())
+    assert report["init_command"] == before["command"]
+    assert report["stage1"]["acceptance"] == before["acceptance"]
+    assert "p2_top1" in report["training"]["val_history"][-1]
+    card = (out / "README.md").read_text()
+    assert "The head this run started from" in card and before["command"] in card
+
+
 def test_transformers_assisted_generation_refuses_a_head(pair):
     from pagedspec.models import CheckpointError
     from pagedspec.models.transformers_draft import load_draft_in_transformers

@@ -227,14 +227,16 @@ def head_loss(head: EagleHead, vocab_head: torch.Tensor, batch: tuple[torch.Tens
         rms = inputs.pow(2).mean(-1, keepdim=True).sqrt()
         inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * noise * rms
     positions = torch.arange(inputs.shape[1]).expand(inputs.shape[0], -1)
+    # The target's side once for every pass: pass p keeps the rows from column p - 1 on.
+    targets_all = targets[mask]
+    log_p_all = F.log_softmax(targets_all @ vocab_head.T, dim=-1)
+    column = torch.arange(mask.shape[1]).expand_as(mask)[mask]
     total, parts = 0.0, {}
     for p, g in enumerate(head.unrolled(embeds, inputs, positions, passes), start=1):
-        rows = mask.clone()
-        rows[:, :p - 1] = False
-        want, g = targets[rows], g[rows]
+        keep = column >= p - 1
+        want, log_p, g = targets_all[keep], log_p_all[keep], g[mask][keep]
         reg = F.smooth_l1_loss(g, want, reduction="none").mean(-1).mean()
         log_q = F.log_softmax(g @ vocab_head.T, dim=-1)
-        log_p = F.log_softmax(want @ vocab_head.T, dim=-1)
         kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
         total = total + (reg + cls_weight * kl) / passes
         agree = (log_q.argmax(-1) == log_p.argmax(-1)).float().mean()
@@ -407,8 +409,10 @@ def stage1_note(report: dict) -> str:
     rows = "; ".join(f"temperature {r['temperature']}: "
                      + " ".join(f"{x:.2f}" for x in r["a"]) + f", mean accepted "
                      f"{r['mean_accepted']:.2f}" for r in stage1.get("acceptance", []))
-    return (f"\nThe head this run started from ({stage1['training']['steps']} steps of one "
-            f"pass, {stage1['training']['seconds'] / 60:.0f} minutes; validation "
+    passes = stage1.get("passes", 1)
+    return (f"\nThe head this run started from ({stage1['training']['steps']} steps of "
+            f"{'one pass' if passes == 1 else f'{passes} passes'}, "
+            f"{stage1['training']['seconds'] / 60:.0f} minutes; validation "
             f"{stage1['val_end']}): {rows}.\n")
 
 
@@ -517,8 +521,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "command": shlex.join(["python", "tools/train_eagle.py", *argv]),
     }
     if args.init_head is not None and (args.init_head / "training.json").exists():
-        report["init_command"] = json.loads((args.init_head / "training.json").read_text()
-                                            ).get("command")
+        init = json.loads((args.init_head / "training.json").read_text())
+        report["init_command"] = init.get("command")
+        if init.get("training", {}).get("val_history"):   # the starting head, for the card
+            report["stage1"] = {
+                "training": {k: init["training"][k] for k in ("steps", "epochs", "seconds")},
+                "passes": init.get("settings", {}).get("passes", 1),
+                "val_end": init["training"]["val_history"][-1],
+                "phase_seconds": init.get("phase_seconds"),
+                "acceptance": init.get("acceptance", [])}
     # Written before the evaluation too: should it fail, --evaluate-only reruns just that.
     write_report(args.out, report, model_card(report))
     report["acceptance"] = evaluate(args.target, args.out, args)
